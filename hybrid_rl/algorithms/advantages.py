@@ -1,0 +1,197 @@
+"""Advantage estimators: pure functions of reward tensors, registered by name.
+
+Every estimator has the signature ``fn(inp: AdvantageInputs, cfg) -> (advantages, returns)``
+with both outputs ``[B, R]`` and zero outside ``response_mask``. ``cfg`` is the
+``algorithm`` config (only plain attributes are read). Sequence-level estimators use the
+sequence score ``s_i = sum_t token_rewards[i, t]``, which equals the verifier's score unless a
+KL penalty was folded into the token rewards.
+
+Shapes: B samples, R response tokens, G samples per prompt (group), ``group_ids [B]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from hybrid_rl.algorithms.registry import register_adv_est
+
+
+class AdvantageInputs(NamedTuple):
+    token_rewards: Tensor  # [B, R] reward per token (score at the last response token, minus KL)
+    response_mask: Tensor  # [B, R] 1 on trained tokens
+    group_ids: Tensor  # [B] samples with equal id answer the same prompt
+    values: Tensor | None = None  # [B, R] critic V(s_t) (gae only)
+    baseline_scores: Tensor | None = None  # [B] score of the greedy answer to the same prompt (remax)
+
+
+def _broadcast(seq_adv: Tensor, mask: Tensor) -> Tensor:
+    return seq_adv[:, None] * mask
+
+
+def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample group mean, unbiased group std and group size. Shapes ``[B]``."""
+    _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n = counts.to(scores.dtype)
+    sums = torch.zeros_like(n).index_add_(0, inv, scores)
+    mean = sums / n
+    sq = torch.zeros_like(n).index_add_(0, inv, (scores - mean[inv]) ** 2)
+    std = torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
+    return mean[inv], std[inv], n[inv]
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
+    """``(x - mean) / std`` over the positions where ``mask`` is 1 (unbiased variance)."""
+    n = mask.sum().clamp(min=1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+@register_adv_est("grpo")
+def grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, eq. 3).
+
+    .. math:: \hat A_{i,t} = \frac{s_i - \mathrm{mean}(s_{g(i)})}{\mathrm{std}(s_{g(i)}) + \epsilon}
+
+    for every response token t of sample i. ``cfg.norm_adv_by_std=False`` drops the division
+    (Dr.GRPO, Liu et al. 2025). The std is the unbiased sample std, as in verl; a group whose
+    rewards are all equal gets advantage 0.
+    """
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    mean, std, _ = group_stats(scores, inp.group_ids)
+    adv = scores - mean
+    if getattr(cfg, "norm_adv_by_std", True):
+        adv = adv / (std + 1e-6)
+    out = _broadcast(adv, inp.response_mask)
+    return out, out
+
+
+@register_adv_est("drgrpo")
+def drgrpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): :math:`s_i - \mathrm{mean}(s_g)`.
+
+    Pair it with ``loss_agg_mode=seq-mean-token-sum-norm`` to remove the length bias as well.
+    """
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    mean, _, _ = group_stats(scores, inp.group_ids)
+    out = _broadcast(scores - mean, inp.response_mask)
+    return out, out
+
+
+@register_adv_est("rloo")
+def rloo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""RLOO leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024).
+
+    .. math:: \hat A_i = s_i - \frac{1}{G-1}\sum_{j \ne i} s_j = \frac{G}{G-1}(s_i - \bar s_g)
+    """
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    mean, _, n = group_stats(scores, inp.group_ids)
+    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), torch.zeros_like(scores))
+    out = _broadcast(adv, inp.response_mask)
+    return out, out
+
+
+@register_adv_est("reinforce")
+def reinforce(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""REINFORCE with a baseline (Williams 1992): :math:`\hat A_i = s_i - \bar s` (batch mean).
+
+    The seed text's "baseline" is any action-independent b(s); the batch mean is the simplest
+    unbiased-enough choice for a single step (a running mean would carry state across steps).
+    """
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    out = _broadcast(scores - scores.mean(), inp.response_mask)
+    return out, out
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    r""":math:`G_t = \sum_{k \ge t} \gamma^{k-t} r_k` over masked positions (masked tokens pass through)."""
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        m = mask[:, t]
+        running = torch.where(m > 0, token_rewards[:, t] + gamma * running, running)
+        out[:, t] = running * m
+    return out
+
+
+@register_adv_est("reinforce_pp")
+def reinforce_pp(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""REINFORCE++ (Hu 2025): token returns, whitened over the whole batch.
+
+    .. math:: G_t = \sum_{k \ge t}\gamma^{k-t} r_k,\quad \hat A_t = \frac{G_t - \mu_{batch}}{\sigma_{batch}}
+
+    with :math:`r_k` the token rewards (score at the end, minus the per-token KL penalty when
+    ``use_kl_in_reward``). Mean and std run over every valid token of the batch.
+    """
+    returns = discounted_returns(inp.token_rewards, inp.response_mask, getattr(cfg, "gamma", 1.0))
+    return masked_whiten(returns, inp.response_mask), returns
+
+
+@register_adv_est("reinforce_pp_baseline")
+def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""REINFORCE++-baseline (Hu 2025): subtract the group mean score, then whiten over the batch.
+
+    .. math:: \hat A_i = \mathrm{whiten}_{batch}(s_i - \bar s_{g(i)})
+    """
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    mean, _, _ = group_stats(scores, inp.group_ids)
+    adv = _broadcast(scores - mean, inp.response_mask)
+    return masked_whiten(adv, inp.response_mask), adv
+
+
+@register_adv_est("remax")
+def remax(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""ReMax (Li et al. 2023): the greedy answer's reward is the baseline.
+
+    .. math:: \hat A_i = s_i - s(\text{greedy}(x_i))
+
+    ``baseline_scores [B]`` must hold, for each sample, the score of the greedy response to its prompt.
+    """
+    if inp.baseline_scores is None:
+        raise ValueError("remax needs baseline_scores (the greedy response's reward per prompt)")
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    out = _broadcast(scores - inp.baseline_scores, inp.response_mask)
+    return out, out
+
+
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    r"""Generalised advantage estimation (Schulman et al. 2016), computed backwards.
+
+    .. math::
+        \delta_t = r_t + \gamma V(s_{t+1}) - V(s_t),\qquad
+        \hat A_t = \delta_t + \gamma\lambda \hat A_{t+1},\qquad \text{returns}_t = \hat A_t + V(s_t)
+
+    The episode ends after the last valid token, so :math:`V(s_{T+1}) = 0` there (terminal, no
+    bootstrap). Masked positions inside a response (tool output in multi-turn) are skipped: the
+    next value and the running advantage pass through them unchanged. Shapes ``[B, R]``.
+    """
+    b, r = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
+    running = torch.zeros_like(next_value)
+    for t in reversed(range(r)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        new_running = delta + gamma * lam * running
+        running = torch.where(m > 0, new_running, running)
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        adv[:, t] = running * m
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+@register_adv_est("gae")
+def gae(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    """PPO's GAE with a critic; advantages are whitened over the batch (returns are not)."""
+    if inp.values is None:
+        raise ValueError("gae needs values from a critic (set critic.enable=true)")
+    adv, returns = gae_advantages(
+        inp.token_rewards, inp.values, inp.response_mask, getattr(cfg, "gamma", 1.0), getattr(cfg, "lam", 1.0)
+    )
+    return masked_whiten(adv, inp.response_mask), returns

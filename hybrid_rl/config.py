@@ -1,0 +1,302 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore.
+
+``conf/config.yaml`` starts from the ``base_config`` schema below, then each group file
+(``conf/model/tiny.yaml`` ...) fills its node. Because every node is a structured config, a
+typo'd or mistyped key fails at start with a message naming the key (``main`` turns OmegaConf's
+multi-line error into one line). :func:`validate` adds the cross-field checks that a schema cannot
+express (a group of 1 with std normalisation, a batch that does not divide over ranks, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field(s)."""
+
+
+@dataclass
+class ModelConfig:
+    # A local HF folder, or a model the project builds itself:
+    #   builtin:tiny      randomly initialised tiny Qwen2 (hybrid_rl.models.tiny, preset below)
+    #   builtin:tiny-sft  the tiny model after the sft_math warm start (built once, then cached)
+    path: str = "builtin:tiny-sft"
+    # Preset for builtin models: micro | tiny | small | base.
+    preset: str = "tiny"
+    # Parameter dtype of the training engine's master weights and of the rollout engine.
+    dtype: str = "float32"
+    # HF attention kernel for training: sdpa (CPU and CUDA), flash_attention_2 (CUDA, if installed), eager.
+    attn_implementation: str = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class SynthMathConfig:
+    # Problems in the generated train / validation splits.
+    n_train: int = 20000
+    n_val: int = 256
+    # Difficulty levels (see hybrid_rl.data.synth_math).
+    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    # parquet or jsonl files; "builtin:synth_math" generates (once) the synthetic task.
+    train_files: list[str] = field(default_factory=lambda: ["builtin:synth_math"])
+    val_files: list[str] = field(default_factory=lambda: ["builtin:synth_math"])
+    # Column holding chat messages (list of {role, content}) or a plain string prompt.
+    prompt_key: str = "prompt"
+    # Dotted path to the ground truth (verl: reward_model.ground_truth; GSM8K: answer).
+    answer_key: str = "reward_model.ground_truth"
+    # SFT only: dotted path to the target response (synthetic task: its worked solution).
+    response_key: str = "extra_info.solution"
+    # Prompts longer than this (tokens) follow `truncation`.
+    max_prompt_length: int = 128
+    # What to do with a too-long prompt: skip (dropped and counted), left, right (truncate), error.
+    truncation: str = "skip"
+    # Prompts per RL step across all ranks (each yields rollout.n samples).
+    train_batch_size: int = 32
+    # Validation prompts used per evaluation (0 = all).
+    val_size: int = 256
+    shuffle: bool = True
+    seed: int = 0
+    # Optional system prompt prepended to every chat prompt.
+    system_prompt: str | None = None
+    synth: SynthMathConfig = field(default_factory=SynthMathConfig)
+
+
+@dataclass
+class RolloutConfig:
+    # Group size G: samples per prompt, drawn with SamplingParams(n=G) so they share the prompt's KV.
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Maximum new tokens per response (per turn budget for multi-turn).
+    max_response_length: int = 64
+    # KV cache per engine, GiB (CPU: allocated at start; CUDA: fraction below wins if > 0).
+    kv_cache_gib: float = 0.25
+    gpu_memory_utilization: float = 0.5
+    block_size: int = 32
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+    # vLLM tensor parallel size (CUDA, external_launcher); 1 = each rank has its own engine.
+    tensor_parallel_size: int = 1
+    # CUDA sleep level while training: 1 offloads weights to host, 2 discards them.
+    sleep_level: int = 1
+    # Weight sync: gather at most this many MiB of full tensors before handing them over.
+    sync_bucket_mb: int = 64
+    # Validation sampling: greedy pass@1 always; pass@k with this k at `temperature` (0 = off).
+    val_pass_k: int = 0
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    # constant | cosine (decays to min_lr_ratio * lr over trainer.total_steps optimizer steps)
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    # Samples (not prompts) per optimizer step, across ranks; 0 = the whole batch (one step).
+    mini_batch_size: int = 0
+    # Samples per forward/backward on one rank; or pack by token budget if max_tokens_per_micro > 0.
+    micro_batch_size: int = 16
+    max_tokens_per_micro: int = 0
+    # Passes over each rollout batch (PPO epochs).
+    epochs: int = 1
+    # Mixed precision: compute dtype for params (null = model.dtype) and for gradient reduction.
+    param_dtype: str | None = None
+    reduce_dtype: str = "float32"
+    # Token chunk for the log-prob head, bounding (T, V) memory for big vocabularies.
+    logprob_chunk: int = 1024
+    gradient_checkpointing: bool = False
+    # Move optimizer state off the accelerator while rolling out (CUDA only; CPU has nowhere to go).
+    offload_optimizer: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    # Advantage estimator (registry): grpo, drgrpo, rloo, reinforce, reinforce_pp, reinforce_pp_baseline, remax, gae
+    adv_estimator: str = "grpo"
+    # GRPO: divide by the group's std (False = Dr.GRPO).
+    norm_adv_by_std: bool = True
+    # Policy loss (registry): ppo_clip, gspo, reinforce
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    # Dual-clip bound c for negative advantages (Ye et al. 2020); null disables.
+    clip_ratio_c: float | None = 3.0
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    # KL to the reference policy as a loss term (GRPO style).
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    # KL to the reference folded into the token reward (RLHF-PPO style).
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"
+    kl_coef: float = 0.001
+    # fixed | adaptive (Ziegler et al. 2019)
+    kl_ctrl: str = "fixed"
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 1.0
+    # Truncated importance sampling between rollout-engine and trainer log-probs: none | token | sequence.
+    tis_mode: str = "none"
+    tis_cap: float = 2.0
+
+
+@dataclass
+class RewardFnConfig:
+    # Built-in: math (math-verify), format (\boxed{} present), or "custom" with path/function.
+    name: str = "math"
+    weight: float = 1.0
+    path: str | None = None
+    function: str | None = None
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])
+    # Worker processes that score responses, and the per-response timeout (s).
+    num_workers: int = 1
+    timeout_s: float = 10.0
+    # Score given when a reward function raises, times out or returns a non-number.
+    failure_score: float = 0.0
+    # Stop the run if every sample of this many consecutive steps failed to score.
+    max_failed_steps: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    # rl | sft
+    task: str = "rl"
+    run_name: str = "default"
+    output_dir: str = "outputs/${trainer.run_name}"
+    # Ranks on this node; >1 relaunches under torchrun. Under torchrun the launcher's value wins.
+    nproc_per_node: int = 1
+    # auto | cpu | cuda
+    device: str = "auto"
+    seed: int = 0
+    total_steps: int = 20
+    # Validate every N steps (0 = never) and before the first step.
+    val_every: int = 5
+    val_before_train: bool = True
+    # Checkpoint every N steps (0 = only at the end); keep the newest N.
+    save_every: int = 0
+    keep_last: int = 2
+    # auto (latest in output_dir) | none | a checkpoint directory
+    resume: str = "auto"
+    # Export the final policy as an HF folder (output_dir/hf).
+    export_hf: bool = True
+    # Rollouts may be at most this many weight versions old (0 = strictly on-policy).
+    max_staleness: int = 0
+    # Seconds a collective may wait before the run fails with an error instead of hanging.
+    collective_timeout_s: int = 600
+    # SFT only: epochs over the training split (the step budget wins if reached first).
+    sft_epochs: float = 1.0
+
+
+@dataclass
+class LoggerConfig:
+    # Any of: console, tensorboard, jsonl, wandb, mlflow (wandb/mlflow only when installed).
+    backends: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    project: str = "hybrid_rl"
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    actor: ActorConfig = MISSING
+    algorithm: AlgorithmConfig = MISSING
+    reward: RewardConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+
+
+def register_configs() -> None:
+    """Register the root schema and one schema per group (``<group>/schema``)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, node in {
+        "model": ModelConfig,
+        "data": DataConfig,
+        "rollout": RolloutConfig,
+        "actor": ActorConfig,
+        "algorithm": AlgorithmConfig,
+        "reward": RewardConfig,
+        "trainer": TrainerConfig,
+        "logger": LoggerConfig,
+    }.items():
+        cs.store(group=group, name="schema", node=node)
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Cross-field checks; raises :class:`ConfigError` naming the fields."""
+    from hybrid_rl.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES
+
+    a, r, d, t, act = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer, cfg.actor
+    problems: list[str] = []
+    if t.task not in ("rl", "sft"):
+        problems.append(f"trainer.task={t.task!r} must be rl or sft")
+    if a.loss_agg_mode not in LOSS_AGG_MODES:
+        problems.append(f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
+    if t.task == "rl":
+        if a.adv_estimator not in ADV_ESTIMATORS:
+            problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} is unknown; known: {', '.join(sorted(ADV_ESTIMATORS))}")
+        if a.policy_loss not in POLICY_LOSSES:
+            problems.append(f"algorithm.policy_loss={a.policy_loss!r} is unknown; known: {', '.join(sorted(POLICY_LOSSES))}")
+        if a.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and r.n < 2:
+            problems.append(
+                f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
+                + (" (and std normalisation divides by a group's std)" if a.norm_adv_by_std else "")
+            )
+        if d.train_batch_size % world_size:
+            problems.append(f"data.train_batch_size={d.train_batch_size} does not divide over {world_size} ranks")
+        samples = d.train_batch_size * r.n
+        mini = act.mini_batch_size or samples
+        if samples % mini:
+            problems.append(
+                f"actor.mini_batch_size={mini} does not divide the {samples} samples per step "
+                f"(data.train_batch_size={d.train_batch_size} x rollout.n={r.n})"
+            )
+        elif mini % world_size:
+            problems.append(f"actor.mini_batch_size={mini} does not divide over {world_size} ranks")
+        if r.max_response_length < 1:
+            problems.append(f"rollout.max_response_length={r.max_response_length} must be >= 1")
+        if not 0 < a.clip_ratio_low < 1 or a.clip_ratio_high <= 0:
+            problems.append("algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0")
+        if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+            problems.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)")
+        if a.tis_mode not in ("none", "token", "sequence"):
+            problems.append(f"algorithm.tis_mode={a.tis_mode!r} must be none, token or sequence")
+    if d.truncation not in ("skip", "left", "right", "error"):
+        problems.append(f"data.truncation={d.truncation!r} must be skip, left, right or error")
+    if d.max_prompt_length < 1:
+        problems.append(f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
+    if act.micro_batch_size < 1:
+        problems.append(f"actor.micro_batch_size={act.micro_batch_size} must be >= 1")
+    if act.lr_schedule not in ("constant", "cosine"):
+        problems.append(f"actor.lr_schedule={act.lr_schedule!r} must be constant or cosine")
+    if t.device not in ("auto", "cpu", "cuda"):
+        problems.append(f"trainer.device={t.device!r} must be auto, cpu or cuda")
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))

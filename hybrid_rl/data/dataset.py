@@ -1,0 +1,215 @@
+"""Prompt datasets: verl-style parquet/jsonl files in, tokenised prompts with ground truth out.
+
+A row needs a prompt (``data.prompt_key``: chat messages ``[{role, content}, ...]`` or a plain
+string, which becomes one user message) and a ground truth (``data.answer_key``, a dotted path:
+``reward_model.ground_truth`` for verl files, ``answer`` for GSM8K's jsonl, whose ``#### 72``
+suffix the math reward understands). Errors name the file, the row and the field; nothing is
+dropped silently: prompts over ``data.max_prompt_length`` are skipped *and counted*, or
+truncated, or rejected, as ``data.truncation`` says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybrid_rl.env import cache_root
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, row and field."""
+
+
+@dataclass
+class PromptRecord:
+    prompt_ids: list[int]
+    ground_truth: Any
+    data_source: str
+    extra_info: dict
+    messages: list[dict]
+    source: str  # "file:row" for error messages and debugging
+
+
+@dataclass
+class LoadReport:
+    rows: int = 0
+    kept: int = 0
+    skipped_too_long: int = 0
+    truncated: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+def synth_math_paths(synth: Any) -> dict[str, Path]:
+    """Generate (once, cached by its settings) the synthetic math splits; returns their paths."""
+    from hybrid_rl.data.synth_math import write_splits
+
+    key = json.dumps([synth.n_train, synth.n_val, list(synth.levels), synth.seed])
+    out = cache_root() / "data" / f"synth_math-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    if not all(p.exists() for p in paths.values()):
+        write_splits(out, synth.n_train, synth.n_val, synth.seed, list(synth.levels))
+    return paths
+
+
+def resolve_files(files: list[str], split: str, synth: Any) -> list[Path]:
+    out = []
+    for f in files:
+        if f == "builtin:synth_math":
+            out.append(synth_math_paths(synth)[split])
+        else:
+            out.append(Path(f))
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    """All rows of a parquet or jsonl file as dicts; errors name the file (and line)."""
+    if not path.exists():
+        raise DataError(f"data file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:
+            raise DataError(f"cannot read parquet file {str(path)!r}: {e}") from e
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+        return rows
+    raise DataError(f"data file {str(path)!r}: unsupported format {suffix!r} (use .parquet or .jsonl)")
+
+
+def get_path(row: dict, dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(part)
+        value = value[part]
+    return value
+
+
+def row_messages(row: dict, prompt_key: str, where: str, system_prompt: str | None) -> list[dict]:
+    try:
+        prompt = get_path(row, prompt_key)
+    except KeyError:
+        raise DataError(f"{where}: missing prompt column {prompt_key!r} (data.prompt_key); row has: {', '.join(row)}") from None
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list | tuple) and prompt:
+        messages = []
+        for j, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: {prompt_key}[{j}] must be a {{role, content}} message with string fields")
+            messages.append({"role": m["role"], "content": m["content"]})
+    else:
+        raise DataError(f"{where}: {prompt_key} must be a string or a non-empty list of messages, got {type(prompt).__name__}")
+    if not any(m["content"].strip() for m in messages):
+        raise DataError(f"{where}: empty prompt")
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def check_chat_template(tokenizer: Any, model_path: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"the tokenizer at {model_path!r} has no chat template; prompts are chat messages, so use an "
+            "instruct/chat checkpoint or add a chat_template to its tokenizer_config.json"
+        )
+
+
+def load_prompts(
+    files: list[Path], tokenizer: Any, cfg: Any, limit: int = 0, tools: list[dict] | None = None
+) -> tuple[list[PromptRecord], LoadReport]:
+    """Read, validate and tokenise prompts from ``files`` (the ``data`` config gives keys and limits)."""
+    report = LoadReport(files=[str(f) for f in files])
+    records: list[PromptRecord] = []
+    for path in files:
+        for i, row in enumerate(read_rows(path)):
+            if limit and len(records) >= limit:
+                break
+            where = f"{path}: row {i}"
+            report.rows += 1
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected an object, got {type(row).__name__}")
+            messages = row_messages(row, cfg.prompt_key, where, cfg.system_prompt)
+            try:
+                gt = get_path(row, cfg.answer_key)
+            except KeyError:
+                raise DataError(
+                    f"{where}: missing ground-truth field {cfg.answer_key!r} (data.answer_key); row has: {', '.join(row)}"
+                ) from None
+            if gt is None or (isinstance(gt, str) and not gt.strip()):
+                raise DataError(f"{where}: empty ground truth in {cfg.answer_key!r}")
+            ids = encode_prompt(tokenizer, messages, tools)
+            if len(ids) > cfg.max_prompt_length:
+                if cfg.truncation == "skip":
+                    report.skipped_too_long += 1
+                    continue
+                if cfg.truncation == "error":
+                    raise DataError(f"{where}: prompt is {len(ids)} tokens, over data.max_prompt_length={cfg.max_prompt_length}")
+                ids = ids[-cfg.max_prompt_length :] if cfg.truncation == "left" else ids[: cfg.max_prompt_length]
+                report.truncated += 1
+            extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+            records.append(PromptRecord(ids, gt, str(row.get("data_source", path.stem)), dict(extra), messages, f"{path}:{i}"))
+    report.kept = len(records)
+    if not records:
+        raise DataError(
+            f"no usable prompts in {', '.join(report.files)} ({report.rows} rows, "
+            f"{report.skipped_too_long} over data.max_prompt_length={cfg.max_prompt_length})"
+        )
+    return records, report
+
+
+class PromptSampler:
+    """Deterministic epoch-shuffled batches of prompt indices, resumable from ``state_dict``."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if batch_size > n:
+            raise DataError(f"data.train_batch_size={batch_size} is larger than the {n} training prompts")
+        self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[int]:
+        """The next ``batch_size`` indices (the tail of an epoch that does not fill a batch is dropped)."""
+        if self.pos + self.batch_size > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order()
+        batch = self._order[self.pos : self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._make_order()

@@ -1,0 +1,193 @@
+"""The default task: synthetic arithmetic word problems with verifiable integer answers.
+
+Each problem is a short story ("Ann has 7 apples. She buys 5 more. ...") whose answer is an
+integer. Difficulty levels scale the numbers and the number of steps:
+
+====  ==============================================  ===========================
+level what                                            example answer range
+====  ==============================================  ===========================
+1     one addition or subtraction, numbers <= 10      0..20
+2     one addition or subtraction, numbers <= 50      0..100
+3     one multiplication, factors 2..10               4..100
+4     two steps (+/-, then x or +/-), numbers <= 20    0..~360
+5     one multiplication of 3-digit by 2-digit        ~1000..~99000 (tool territory)
+====  ==============================================  ===========================
+
+Rows follow verl's parquet schema: ``data_source``, ``prompt`` (chat messages), ``ability``,
+``reward_model`` (``{"style": "rule", "ground_truth": "12"}``) and ``extra_info`` (split,
+index, level, and a worked ``solution`` used by the SFT warm start). The train and validation
+splits come from separate seeded streams and share no question text.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_SOURCE = "hybrid_rl/synth_math"
+INSTRUCTION = "Put the final answer in \\boxed{}."
+
+NAMES = ["Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo"]
+ITEMS = ["apples", "books", "coins", "cards", "pens", "shells", "stamps", "marbles", "eggs"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One generated problem: question text, integer answer, worked solution, level."""
+
+    question: str
+    answer: int
+    solution: str
+    level: int
+
+
+def _add_or_sub(rng: random.Random, hi: int) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(1, hi), rng.randint(1, hi)
+    if rng.random() < 0.5:
+        verb = rng.choice(["buys", "finds", "gets"])
+        q = f"{name} has {a} {item}. {name} {verb} {b} more. How many {item} does {name} have now?"
+        return Problem(q, a + b, f"{a} + {b} = {a + b}.", 0)
+    a, b = max(a, b), min(a, b)
+    verb = rng.choice(["gives away", "loses", "sells"])
+    q = f"{name} has {a} {item}. {name} {verb} {b}. How many {item} does {name} have left?"
+    return Problem(q, a - b, f"{a} - {b} = {a - b}.", 0)
+
+
+def _multiply(rng: random.Random, hi_a: int, hi_b: int, lo_a: int = 2, lo_b: int = 2) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
+    q = f"{name} has {a} boxes with {b} {item} in each box. How many {item} does {name} have?"
+    return Problem(q, a * b, f"{a} * {b} = {a * b}.", 0)
+
+
+def _two_step(rng: random.Random) -> Problem:
+    first = _add_or_sub(rng, 20)
+    name = first.question.split(" ", 1)[0]
+    item = first.question.split(" ")[3].rstrip(".")
+    if rng.random() < 0.5:
+        k = rng.randint(2, 5)
+        q = first.question.rsplit(". ", 1)[0] + f". Then {name} gets {k} times as many. How many {item} does {name} have?"
+        ans = first.answer * k
+        sol = f"{first.solution} {first.answer} * {k} = {ans}."
+    else:
+        c = rng.randint(1, 20)
+        q = first.question.rsplit(". ", 1)[0] + f". Then {name} finds {c} more. How many {item} does {name} have?"
+        ans = first.answer + c
+        sol = f"{first.solution} {first.answer} + {c} = {ans}."
+    return Problem(q, ans, sol, 0)
+
+
+def make_problem(rng: random.Random, level: int) -> Problem:
+    """One problem of the given difficulty level (1..5)."""
+    if level == 1:
+        p = _add_or_sub(rng, 10)
+    elif level == 2:
+        p = _add_or_sub(rng, 50)
+    elif level == 3:
+        p = _multiply(rng, 10, 10)
+    elif level == 4:
+        p = _two_step(rng)
+    elif level == 5:
+        p = _multiply(rng, 999, 99, lo_a=100, lo_b=11)
+    else:
+        raise ValueError(f"synth_math level must be 1..5, got {level}")
+    return Problem(p.question, p.answer, p.solution, level)
+
+
+def format_solution(p: Problem) -> str:
+    """The assistant's worked answer that SFT imitates: the steps, then a boxed result."""
+    return f"{p.solution} The answer is \\boxed{{{p.answer}}}."
+
+
+def to_row(p: Problem, split: str, index: int) -> dict:
+    """A verl-schema row for one problem."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{p.question} {INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "level": p.level,
+            "solution": format_solution(p),
+        },
+    }
+
+
+def generate_rows(n: int, split: str, seed: int, levels: list[int], exclude: set[str] | None = None) -> list[dict]:
+    """``n`` unique problems drawn uniformly over ``levels``; questions in ``exclude`` skipped.
+
+    The stream for a split is seeded by ``(seed, split)`` so train and validation are fixed and
+    independent of each other's size.
+    """
+    if not levels:
+        raise ValueError("synth_math needs at least one level")
+    rng = random.Random(f"{seed}:{split}")
+    seen: set[str] = set(exclude or ())
+    rows: list[dict] = []
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(
+                f"synth_math could only make {len(rows)} unique {split} problems of {n} "
+                f"for levels {levels}: ask for fewer or add levels"
+            )
+        p = make_problem(rng, levels[len(rows) % len(levels)])
+        if p.question in seen:
+            continue
+        seen.add(p.question)
+        rows.append(to_row(p, split, len(rows)))
+    return rows
+
+
+def write_splits(out_dir: str | Path, n_train: int, n_val: int, seed: int, levels: list[int]) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` under ``out_dir``; returns their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    val = generate_rows(n_val, "val", seed, levels)
+    train = generate_rows(n_train, "train", seed, levels, exclude={r["prompt"][0]["content"] for r in val})
+    paths = {}
+    for split, rows in (("train", train), ("val", val)):
+        path = out / f"{split}.parquet"
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        tmp.replace(path)
+        paths[split] = path
+    return paths
+
+
+def corpus(seed: int = 0, n: int = 4000) -> Iterator[str]:
+    """Text for training the tiny model's tokenizer: questions and worked answers."""
+    rng = random.Random(f"{seed}:corpus")
+    for i in range(n):
+        p = make_problem(rng, 1 + i % 5)
+        yield f"{p.question} {INSTRUCTION}"
+        yield format_solution(p)
+
+
+def main() -> None:
+    """CLI: ``python -m hybrid_rl.data.synth_math --out DIR [--train N --val N --seed S]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--train", type=int, default=20000)
+    ap.add_argument("--val", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--levels", default="1,2,3,4")
+    args = ap.parse_args()
+    paths = write_splits(args.out, args.train, args.val, args.seed, [int(x) for x in args.levels.split(",")])
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""The training engine: an FSDP2 model that takes the loss as an argument.
+
+``fully_shard`` is applied per decoder layer, then to the root, over the default process group
+(gloo on CPU, NCCL on CUDA), any world size. The engine owns micro-batching, gradient
+accumulation, clipping, the optimizer step and the LR schedule; the algorithm is a ``loss_fn``
+it is handed (``train_batch(batch, loss_fn)``), so the engine is algorithm-blind.
+
+Loss scaling contract: ``loss_fn`` returns the micro-batch's share of the *global* mini-batch
+loss (its aggregation weights are normalised over all ranks and micro-batches). FSDP averages
+gradients over ranks, so the engine multiplies by the world size before ``backward``; the sum
+over micro-batches and ranks then equals the gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hybrid_rl.batch import ModelOutputs, TrainBatch
+from hybrid_rl.dist import DistContext, all_reduce_max, mean_over_ranks
+
+LossFn = Callable[[ModelOutputs, TrainBatch], tuple[Tensor, dict]]
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def to_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class OptimConfig:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    schedule: str
+    min_lr_ratio: float
+    total_steps: int
+    grad_clip: float
+
+
+def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
+    """Linear warm-up, then constant or cosine decay to ``min_lr_ratio``."""
+
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            span = max(cfg.total_steps - cfg.warmup_steps, 1)
+            progress = min((step - cfg.warmup_steps) / span, 1.0)
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return fn
+
+
+def micro_batches(batch: TrainBatch, micro_size: int, max_tokens: int = 0) -> list[TrainBatch]:
+    """Split rows into micro-batches: fixed size, or balanced by a token budget.
+
+    With a token budget every rank must run the same number of forwards (each is a collective),
+    so the count is the max over ranks of what the budget needs, and rows are dealt longest-first
+    onto the lightest micro-batch (greedy balanced partition, as verl's dynamic batching).
+    """
+    if max_tokens <= 0:
+        return [mb.trimmed() for mb in batch.split(micro_size)]
+    lengths = batch.attention_mask.sum(1).tolist()
+    need = max(1, math.ceil(sum(lengths) / max_tokens))
+    k = int(min(all_reduce_max(need), batch.size))
+    order = sorted(range(batch.size), key=lambda i: -lengths[i])
+    bins: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in order:
+        j = min(range(k), key=lambda b: loads[b])
+        bins[j].append(i)
+        loads[j] += lengths[i]
+    return [batch.select(sorted(b)).trimmed() for b in bins]
+
+
+class FSDPEngine:
+    """An FSDP2-sharded module with its optimizer; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        ctx: DistContext,
+        optim: OptimConfig | None,
+        micro_batch_size: int = 16,
+        max_tokens_per_micro: int = 0,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        name_prefix: str = "lm.",
+    ) -> None:
+        self.ctx = ctx
+        self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro = max_tokens_per_micro
+        self.name_prefix = name_prefix
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        module.to(ctx.device)
+        for layer in module.decoder_layers():
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(module, mp_policy=mp)
+        self.module = module
+        self.optim_cfg = optim
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        if optim is not None:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in module.parameters() if p.requires_grad],
+                lr=optim.lr,
+                betas=tuple(optim.betas),
+                weight_decay=optim.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
+        else:
+            module.requires_grad_(False)
+        self.step_count = 0
+        self.skipped_steps = 0
+        self.consecutive_bad_steps = 0
+
+    # ---------------------------------------------------------------- forward
+    def _forward(self, mb: TrainBatch, temperature: float) -> ModelOutputs:
+        mb = mb.to(self.ctx.device)
+        return self.module(mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_len, temperature)
+
+    @torch.no_grad()
+    def forward_outputs(self, batch: TrainBatch, temperature: float = 1.0) -> ModelOutputs:
+        """Outputs for every row, ``[B, R]`` at the batch's full width, in micro-batches."""
+        self.module.eval()
+        r_full = batch.input_ids.shape[1] - batch.prompt_len
+        fields: dict[str, list[Tensor]] = {}
+        for mb in batch.split(self.micro_batch_size):
+            trimmed = mb.trimmed()
+            out = self._forward(trimmed, temperature)
+            for name, value in out._asdict().items():
+                if value is None:
+                    continue
+                v = value.float().cpu()
+                if v.dim() == 2:
+                    v = torch.nn.functional.pad(v, (0, r_full - v.shape[1]))
+                fields.setdefault(name, []).append(v)
+        return ModelOutputs(**{k: torch.cat(v) for k, v in fields.items()})
+
+    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0) -> Tensor:
+        """``[B, R]`` log-probs of the response tokens (old/reference log-probs), no grad."""
+        return self.forward_outputs(batch, temperature).logprobs
+
+    # ---------------------------------------------------------------- train
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's rows of one mini-batch)."""
+        assert self.optimizer is not None, "engine was built without an optimizer"
+        self.module.train()
+        mbs = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro)
+        sums: dict[str, float] = {}
+        total_loss = 0.0
+        for i, mb in enumerate(mbs):
+            self.module.set_requires_gradient_sync(i == len(mbs) - 1)
+            out = self._forward(mb, temperature)
+            loss, metrics = loss_fn(out, mb.to(self.ctx.device))
+            (loss * self.ctx.world_size).backward()
+            total_loss += float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        metrics = {k: v / len(mbs) for k, v in sums.items()}
+        metrics["actor/loss"] = total_loss
+        metrics = mean_over_ranks(metrics)
+        metrics["actor/loss"] *= self.ctx.world_size  # the global loss is the sum of the ranks' shares
+        metrics.update(self._optimizer_step())
+        metrics["actor/micro_batches"] = float(len(mbs))
+        return metrics
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip, then step unless the gradient norm is not finite (then skip and count)."""
+        assert self.optimizer is not None and self.optim_cfg is not None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        out = {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"]}
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.consecutive_bad_steps = 0
+        else:
+            self.skipped_steps += 1
+            self.consecutive_bad_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step_count += 1
+        out["actor/skipped_steps"] = float(self.skipped_steps)
+        return out
+
+    # ---------------------------------------------------------------- weights out
+    def hf_name(self, name: str) -> str:
+        for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+            name = name.replace(junk, "")
+        return name[len(self.name_prefix) :] if name.startswith(self.name_prefix) else name
+
+    def iter_full_params(self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Stream ``(hf_name, full_tensor)`` pairs out of the shards, a bucket at a time.
+
+        Collective: every rank must consume the iterator fully, in the same order. Each
+        parameter's local shard is cast to ``dtype`` first (half the bytes on the wire for
+        bf16), then all-gathered with ``DTensor.full_tensor()``. At most ``bucket_bytes`` of
+        gathered tensors are alive at once (plus the consumer's copy), never the whole model.
+        """
+        bucket: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, param in self.module.named_parameters():
+            t = param.detach()
+            if dtype is not None and t.dtype != dtype:
+                t = t.to(dtype)
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            bucket.append((self.hf_name(name), full))
+            size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield from bucket
+                bucket, size = [], 0
+        yield from bucket
+
+    def param_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the full (unsharded) parameters, at ``dtype`` if given."""
+        total = 0
+        for p in self.module.parameters():
+            size = dtype.itemsize if dtype is not None else p.element_size()
+            total += p.numel() * size
+        return total
+
+    # ---------------------------------------------------------------- memory modes
+    def offload_optimizer(self) -> int:
+        """Move optimizer state to host memory; returns bytes moved (0 on CPU: nowhere to go)."""
+        return self._move_optimizer(torch.device("cpu"))
+
+    def reload_optimizer(self) -> int:
+        return self._move_optimizer(self.ctx.device)
+
+    def _move_optimizer(self, device: torch.device) -> int:
+        if self.optimizer is None or self.ctx.device.type == "cpu":
+            return 0
+        moved = 0
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.device != device:
+                    state[key] = value.to(device, non_blocking=True)
+                    moved += value.numel() * value.element_size()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return moved
+
+    # ---------------------------------------------------------------- checkpoint / export
+    def state_dicts(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.module, self.optimizer if self.optimizer is not None else [])
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.module,
+            self.optimizer if self.optimizer is not None else [],
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+        )
+
+    def export_hf(self, out_dir: str, tokenizer=None) -> None:
+        """Write the full model as an HF folder (rank 0 writes; collective)."""
+        import os
+
+        from safetensors.torch import save_file
+
+        full = {name: t.cpu().contiguous() for name, t in self.iter_full_params(dtype=None)}
+        if self.ctx.is_main:
+            os.makedirs(out_dir, exist_ok=True)
+            lm = self.module.hf_model()
+            lm.config.save_pretrained(out_dir)
+            if getattr(lm, "generation_config", None) is not None:
+                lm.generation_config.save_pretrained(out_dir)
+            if lm.config.tie_word_embeddings:
+                full.pop("lm_head.weight", None)
+            save_file(full, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def load_hf_causal_lm(
+    path: str, dtype: torch.dtype, attn_implementation: str, device: torch.device, trust_remote_code: bool = False
+) -> nn.Module:
+    """``AutoModelForCausalLM`` from a local folder; SDPA on CPU, flash-attn on CUDA when installed."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "auto":
+        attn_implementation = "sdpa"
+        if device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+
+                attn_implementation = "flash_attention_2"
+            except ImportError:
+                pass
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+    model.config.use_cache = False
+    return model
+
+
+def build_policy_engine(
+    path: str, model_cfg, actor_cfg, ctx: DistContext, total_steps: int, trainable: bool = True
+) -> FSDPEngine:
+    """The actor (``trainable``) or a frozen reference policy, from an HF folder."""
+    from hybrid_rl.engine.heads import PolicyModule
+
+    dtype = to_dtype(model_cfg.dtype)
+    lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
+    if trainable and actor_cfg.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optim = None
+    if trainable:
+        optim = OptimConfig(
+            lr=actor_cfg.lr,
+            weight_decay=actor_cfg.weight_decay,
+            betas=tuple(actor_cfg.betas),
+            warmup_steps=actor_cfg.warmup_steps,
+            schedule=actor_cfg.lr_schedule,
+            min_lr_ratio=actor_cfg.min_lr_ratio,
+            total_steps=total_steps,
+            grad_clip=actor_cfg.grad_clip,
+        )
+    return FSDPEngine(
+        PolicyModule(lm, actor_cfg.logprob_chunk),
+        ctx,
+        optim,
+        micro_batch_size=actor_cfg.micro_batch_size,
+        max_tokens_per_micro=actor_cfg.max_tokens_per_micro,
+        param_dtype=to_dtype(actor_cfg.param_dtype),
+        reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
+    )

@@ -1,0 +1,135 @@
+"""The mode switch between training (FSDP2) and rollout (vLLM) on the same processes.
+
+The order is code, each phase under a timer with a memory reading:
+
+to_rollout:
+    1. offload_optimizer  - optimizer state to host (CUDA; on CPU there is nowhere to move it)
+    2. wake_weights       - re-allocate vLLM's weight memory (CUDA sleep mode, tag "weights")
+    3. sync_weights       - stream parameters out of the shards (``DTensor.full_tensor()``,
+                            bucketed by bytes) into the engine's in-place loader
+    4. wake_kv_cache      - re-allocate the KV cache (tag "kv_cache") after the weights, so
+                            the gathered tensors are freed before the cache comes back
+    5. reset_prefix_cache - cached prompt KV was computed with the old weights
+    6. bump the weights version that rollouts are stamped with
+
+to_train:
+    1. sleep_engine       - free the KV cache and offload (level 1) or drop (level 2) weights
+    2. reload_optimizer   - optimizer state back to the device
+
+On CPU vLLM has no sleep mode: the KV cache stays allocated and vLLM keeps its own (repacked)
+copy of the weights, so to_train frees nothing; the switch reports ``freed=False`` and the
+bytes that stay resident instead of pretending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from hybrid_rl.rollout.base import RolloutEngine
+from hybrid_rl.timing import PhaseTimer
+
+
+class ShardedWeights(Protocol):
+    """What the switch needs from the training engine."""
+
+    def iter_full_params(self, bucket_bytes: int = ..., dtype: torch.dtype | None = ...): ...
+
+    def offload_optimizer(self) -> int: ...
+
+    def reload_optimizer(self) -> int: ...
+
+
+class StaleWeightsError(RuntimeError):
+    """A rollout produced by older weights than the trainer allows."""
+
+
+@dataclass
+class SwitchReport:
+    direction: str
+    seconds: dict[str, float]
+    memory: dict[str, dict[str, float]]
+    weights_version: int
+    freed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class HybridSwitch:
+    """Owns the order of the switch and the weights version; composition of the two engines."""
+
+    def __init__(
+        self,
+        trainer: ShardedWeights,
+        rollout: RolloutEngine,
+        *,
+        sync_dtype: torch.dtype | None,
+        bucket_bytes: int,
+        sleep_level: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.rollout = rollout
+        self.sync_dtype = sync_dtype
+        self.bucket_bytes = bucket_bytes
+        self.sleep_level = sleep_level
+        self.device = device
+        self.weights_version = 0
+        self.mode = "rollout"  # a fresh engine already holds the initial weights
+        self.history: list[SwitchReport] = []
+
+    def to_rollout(self) -> SwitchReport:
+        """Push the trainer's current weights into the engine and make it ready to generate."""
+        timer = PhaseTimer("switch", self.device)
+        notes = []
+        with timer.phase("offload_optimizer"):
+            if self.trainer.offload_optimizer() == 0:
+                notes.append("optimizer state stays in place (host memory already)")
+        sleeping = self.rollout.supports_sleep and self.mode == "train"
+        with timer.phase("wake_weights"):
+            if sleeping:
+                self.rollout.wake_up(["weights"])
+        with timer.phase("sync_weights"):
+            self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype))
+        with timer.phase("wake_kv_cache"):
+            if sleeping:
+                self.rollout.wake_up(["kv_cache"])
+        with timer.phase("reset_prefix_cache"):
+            self.rollout.reset_prefix_cache()
+        self.weights_version += 1
+        self.mode = "rollout"
+        return self._report("to_rollout", timer, freed=False, notes=notes)
+
+    def to_train(self) -> SwitchReport:
+        """Release what the engine holds (where the platform can) and bring the optimizer back."""
+        timer = PhaseTimer("switch", self.device)
+        notes = []
+        with timer.phase("sleep_engine"):
+            freed = self.rollout.sleep(self.sleep_level)
+        if not freed:
+            kv = self.rollout.memory_report().get("kv_cache_bytes", 0)
+            notes.append(f"engine has no sleep mode here: KV cache ({kv / 2**20:.0f} MiB) and vLLM's weights stay resident")
+        with timer.phase("reload_optimizer"):
+            self.trainer.reload_optimizer()
+        self.mode = "train"
+        return self._report("to_train", timer, freed=freed, notes=notes)
+
+    def check_version(self, rollout_version: int, max_staleness: int = 0) -> None:
+        """Refuse to train on rollouts from weights more than ``max_staleness`` versions old."""
+        lag = self.weights_version - rollout_version
+        if lag < 0 or lag > max_staleness:
+            raise StaleWeightsError(
+                f"rollout was generated with weights version {rollout_version} but the trainer is at "
+                f"{self.weights_version} (allowed lag trainer.max_staleness={max_staleness}); "
+                "a weight sync was skipped or a stale rollout was reused"
+            )
+
+    def _report(self, direction: str, timer: PhaseTimer, freed: bool, notes: list[str]) -> SwitchReport:
+        report = SwitchReport(direction, dict(timer.seconds), dict(timer.memory), self.weights_version, freed, notes)
+        self.history.append(report)
+        return report

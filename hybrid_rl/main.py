@@ -1,0 +1,112 @@
+"""Entry point: ``python -m hybrid_rl.main +recipe=grpo_math [overrides]``.
+
+Composes the typed config with Hydra, relaunches itself under torchrun when
+``trainer.nproc_per_node > 1`` (and it is not already a torchrun worker), sets the process
+environment, then runs the task (``rl`` or ``sft``). Configuration and input errors are printed
+as one line naming the key/file and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from hybrid_rl.config import ConfigError, register_configs
+from hybrid_rl.env import setup_process_env
+
+log = logging.getLogger("hybrid_rl")
+register_configs()
+
+
+def one_line_error(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines; keep what names the key and why."""
+    text = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text = f"{text} {cause}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment"))]
+    msg = " ".join(keep)
+    if full_key and full_key not in msg:
+        msg = f"{msg} (key: {full_key})"
+    return msg
+
+
+def precheck_overrides(argv: list[str]) -> None:
+    """Compose once with the command line's overrides so a bad key fails in one line, early."""
+    from hydra import compose, initialize_config_dir
+
+    from hybrid_rl.trainer.build import conf_dir
+
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra"))]
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except Exception as e:
+        print(f"config error: {one_line_error(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def relaunch_under_torchrun(nproc: int) -> None:
+    """Replace this process with ``torchrun --standalone --nproc-per-node=N -m hybrid_rl.main ...``."""
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "hybrid_rl.main",
+        *sys.argv[1:],
+    ]
+    log.info("relaunching under torchrun with %d ranks", nproc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, args)
+
+
+def run(cfg: DictConfig) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 1) // max(world, 1)))
+    from hybrid_rl.data.dataset import DataError
+    from hybrid_rl.dist import init_distributed, shutdown_distributed
+    from hybrid_rl.hybrid.switch import StaleWeightsError
+    from hybrid_rl.rewards.pool import RewardFailure
+
+    ctx = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    try:
+        if cfg.trainer.task == "sft":
+            from hybrid_rl.trainer.sft import run_sft
+
+            run_sft(cfg, ctx, evaluate_after=True)
+        else:
+            from hybrid_rl.trainer.rl import RLTrainer
+
+            trainer = RLTrainer(cfg, ctx)
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+    except (ConfigError, DataError, RewardFailure, StaleWeightsError) as e:
+        print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
+        shutdown_distributed()
+        sys.exit(2)
+    shutdown_distributed()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    if cfg.trainer.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        relaunch_under_torchrun(cfg.trainer.nproc_per_node)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" not in os.environ:
+        precheck_overrides(sys.argv[1:])
+    main()

@@ -1,0 +1,60 @@
+"""Plot a run's ``metrics.jsonl``: ``python -m hybrid_rl.plot RUN_DIR/metrics.jsonl --out curve.png``.
+
+Draws the training reward (raw and a moving average) and every validation metric it finds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ...] = ("reward/mean",), window: int = 5) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if not pts:
+            continue
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, alpha=0.3, label=f"{key} (per step)")
+        avg = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
+        ax.plot(xs, avg, label=f"{key} ({window}-step mean)")
+    val_keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in ("val/n", "val/response_length")})
+    for key in val_keys:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("metrics")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="")
+    args = ap.parse_args()
+    print(plot(load(args.metrics), args.out, args.title))
+
+
+if __name__ == "__main__":
+    main()

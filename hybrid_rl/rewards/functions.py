@@ -1,0 +1,98 @@
+"""Rule-based reward functions (pure: text in, number out) and the loader for user functions.
+
+Every function has verl's ``compute_score`` signature::
+
+    fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None) -> float | dict
+
+A dict must carry ``"score"``; its other numeric entries are logged as ``reward/<key>``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+RewardFn = Callable[..., Any]
+
+_BOXED = re.compile(r"\\boxed\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    i = starts[-1]
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def normalise_ground_truth(ground_truth: Any) -> str:
+    """GSM8K-style answers keep the number after ``####``; anything else is used as is."""
+    gt = str(ground_truth)
+    return gt.rsplit("####", maxsplit=1)[-1].strip() if "####" in gt else gt.strip()
+
+
+def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """1.0 if the response's final answer equals the ground truth under ``math-verify``, else 0.0.
+
+    math-verify parses boxed answers, plain numbers, fractions and LaTeX expressions and
+    compares them symbolically (``\\frac{24}{2}`` equals ``12``). The last ``\\boxed{}`` wins
+    when present; otherwise math-verify's own extraction (last number/expression) is used.
+    """
+    from math_verify import parse, verify
+
+    gold = parse(normalise_ground_truth(ground_truth))
+    if not gold:
+        gold = parse(f"${normalise_ground_truth(ground_truth)}$")
+    boxed = last_boxed(solution_str)
+    answer = parse(f"\\boxed{{{boxed}}}" if boxed is not None else solution_str)
+    return 1.0 if gold and answer and verify(gold, answer) else 0.0
+
+
+def format_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """1.0 if the response gives exactly one ``\\boxed{...}`` answer, else 0.0."""
+    return 1.0 if len(_BOXED.findall(solution_str)) == 1 and last_boxed(solution_str) is not None else 0.0
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "format": format_reward}
+
+
+def load_custom(path: str, function: str) -> RewardFn:
+    """Load ``function`` from the Python file ``path``; errors name the file and the function."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"reward function file {path!r} does not exist (reward.functions[].path)")
+    spec = importlib.util.spec_from_file_location(f"hybrid_rl_user_reward_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import reward function file {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
+        raise AttributeError(f"{path!r} has no function {function!r}; it defines: {', '.join(names) or 'nothing callable'}")
+    return fn
+
+
+@cache
+def resolve(name: str, path: str | None = None, function: str | None = None) -> RewardFn:
+    """A reward function by built-in name, or ``custom`` with a file path and function name."""
+    if name == "custom":
+        if not path or not function:
+            raise ValueError("reward function 'custom' needs path and function")
+        return load_custom(path, function)
+    if name not in BUILTIN:
+        raise KeyError(f"unknown reward function {name!r}; known: {', '.join(sorted(BUILTIN))}, custom")
+    return BUILTIN[name]

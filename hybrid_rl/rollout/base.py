@@ -1,0 +1,79 @@
+"""The rollout engine interface (no vllm import here: logic can be tested with a fake engine).
+
+Named by what an engine does, after vLLM's own protocol: ``generate``, ``load_weights``,
+``reset_prefix_cache``, ``sleep(level)``, ``wake_up(tags)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+
+@dataclass
+class SamplingSpec:
+    """Sampling for one request; ``n`` samples share the prompt (and its KV cache blocks)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    # Return the sampler's log-prob of each generated token.
+    logprobs: bool = True
+    # Keep the stop string in the output (the agent loop needs the closing </tool_call>).
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str = ""
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+@dataclass
+class GenerateStats:
+    """Prefix-cache accounting for one generate call (tokens)."""
+
+    prompt_tokens: int = 0  # prompt tokens over all n samples (what prefill would cost without sharing)
+    cached_prompt_tokens: int = 0  # served from the prefix cache
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_prompt_tokens
+
+
+class RolloutEngine(Protocol):
+    """What the trainer and the hybrid switch need from an inference engine."""
+
+    supports_sleep: bool
+    last_stats: GenerateStats
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[GenerationResult]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def sleep(self, level: int = 1) -> bool: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def memory_report(self) -> dict[str, int]: ...

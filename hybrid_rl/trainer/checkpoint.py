@@ -1,0 +1,122 @@
+"""Crash-safe checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step_000010/            a finished checkpoint
+      manifest.json         written last; its presence is what makes the checkpoint valid
+      model+optim shards    DCP files, one per rank
+      trainer_rank<r>.pt    step, data position, RNG states, controller state (per rank)
+    .step_000012.tmp/       an unfinished one (a crash mid-save): never picked up, removed later
+
+A save writes into the temporary directory, then rank 0 writes the manifest, fsyncs and renames
+the directory into place (atomic on POSIX), so a checkpoint is either whole or invisible.
+``keep_last`` bounds how many are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from hybrid_rl.dist import barrier
+
+MANIFEST = "manifest.json"
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Valid checkpoints (with a manifest), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file():
+            try:
+                json.loads((p / MANIFEST).read_text())
+            except (json.JSONDecodeError, OSError):
+                continue
+            found.append(p)
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: str | Path, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any], keep_last: int, rank: int, world: int
+) -> Path:
+    """Collective: every rank calls it. ``app_state`` goes through DCP, ``trainer_state`` per rank."""
+    root = Path(root)
+    final = _step_dir(root, step)
+    tmp = root / f".{final.name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    dcp.save(app_state, checkpoint_id=str(tmp))
+    torch.save(trainer_state, tmp / f"trainer_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        manifest = {"step": step, "world_size": world, "time": time.time(), "files": sorted(p.name for p in tmp.iterdir())}
+        with (tmp / MANIFEST).open("w") as fh:
+            json.dump(manifest, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep_last)
+    barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for stale in root.glob(".step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last > 0:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: str | Path, app_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Load DCP state into ``app_state`` (in place) and return this rank's trainer state.
+
+    A checkpoint written by a different number of ranks loads too (DCP reshards); the per-rank
+    trainer state then comes from rank 0's file when this rank has none.
+    """
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(f"{path} is not a finished checkpoint (no {MANIFEST})")
+    dcp.load(app_state, checkpoint_id=str(path))
+    own = path / f"trainer_rank{rank}.pt"
+    return torch.load(own if own.exists() else path / "trainer_rank0.pt", weights_only=False)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

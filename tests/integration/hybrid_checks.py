@@ -1,0 +1,160 @@
+"""Checks of the hybrid engine under real torchrun (run by test_hybrid.py; writes a JSON report).
+
+    torchrun --nproc-per-node 2 tests/integration/hybrid_checks.py OUT.json [--switches 50]
+
+On every rank: an FSDP2 actor and an in-process vLLM engine on the tiny model. Checks, per
+dtype: log-prob parity after a sync on fixed sequences, that a training step changes vLLM's
+outputs (and they still match), that a sync after an aborted generate works, and RSS over many
+switches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+from hybrid_rl.env import setup_process_env
+
+setup_process_env(threads_per_rank=1)
+
+
+from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss  # noqa: E402
+from hybrid_rl.batch import Sample, collate  # noqa: E402
+from hybrid_rl.dist import all_reduce_max, barrier, init_distributed  # noqa: E402
+from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype  # noqa: E402
+from hybrid_rl.hybrid.switch import HybridSwitch  # noqa: E402
+from hybrid_rl.models.tiny import tiny_model_path  # noqa: E402
+from hybrid_rl.rollout.base import SamplingSpec  # noqa: E402
+from hybrid_rl.rollout.vllm_engine import VLLMRollout  # noqa: E402
+from hybrid_rl.timing import memory_reading  # noqa: E402
+
+
+def fixed_sequences(tok, rank: int) -> list[list[int]]:
+    out = []
+    for i in range(4):
+        msgs = [{"role": "user", "content": f"Dan has {i + rank} eggs. Dan finds {7 * i} more. How many eggs?"}]
+        p = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append(list(p) + tok.encode(f"{i + rank} + {7 * i} = {8 * i + rank}. The answer is \\boxed{{{8 * i + rank}}}."))
+    return out
+
+
+def trainer_logprobs(engine, seqs, prompt_len: int = 1) -> list[list[float]]:
+    samples = [
+        Sample(s[:prompt_len], s[prompt_len:], [0.0] * (len(s) - prompt_len), [1] * (len(s) - prompt_len), "stop", i)
+        for i, s in enumerate(seqs)
+    ]
+    lp = engine.forward_logprobs(collate(samples, pad_id=0))
+    return [lp[i, : len(s) - prompt_len].tolist() for i, s in enumerate(seqs)]
+
+
+def max_diff(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
+    mc = SimpleNamespace(dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
+    ac = SimpleNamespace(
+        lr=3e-3,
+        weight_decay=0.0,
+        betas=[0.9, 0.999],
+        warmup_steps=0,
+        lr_schedule="constant",
+        min_lr_ratio=0.1,
+        grad_clip=1.0,
+        micro_batch_size=8,
+        max_tokens_per_micro=0,
+        param_dtype=None,
+        reduce_dtype="float32",
+        logprob_chunk=1024,
+        gradient_checkpointing=False,
+    )
+    actor = build_policy_engine(path, mc, ac, ctx, total_steps=10)
+    rc = SimpleNamespace(
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=True,
+        max_num_seqs=64,
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=0.125,
+    )
+    engine = VLLMRollout(path, rc, dtype, seed=ctx.rank, device=ctx.device, max_model_len=256)
+    tok = engine.tokenizer
+    switch = HybridSwitch(actor, engine, sync_dtype=to_dtype(dtype), bucket_bytes=1 << 20, device=ctx.device)
+    seqs = fixed_sequences(tok, ctx.rank)
+    out: dict = {"dtype": dtype}
+
+    # 1. parity after a sync
+    switch.to_train()
+    rep = switch.to_rollout()
+    out["sync_seconds"] = rep.seconds["sync_weights"]
+    before = engine.prompt_logprobs(seqs)
+    out["parity_max_abs_diff"] = all_reduce_max(max_diff(before, trainer_logprobs(actor, seqs)))
+
+    # 2. a training step changes vLLM's outputs, and they match the trainer's new log-probs
+    switch.to_train()
+    samples = [Sample(s[:-6], s[-6:], [0.0] * 6, [1] * 6, "stop", i) for i, s in enumerate(seqs)]
+    batch = collate(samples, tok.pad_token_id)
+    batch.loss_weights = agg_weights(
+        batch.response_mask, "token-mean", float(batch.response_mask.sum()) * ctx.world_size, float(batch.size * ctx.world_size)
+    )
+    actor.train_batch(batch, make_sft_loss())
+    stale = engine.prompt_logprobs(seqs)
+    out["stale_equals_before"] = max_diff(stale, before) == 0.0
+    switch.to_rollout()
+    after = engine.prompt_logprobs(seqs)
+    out["change_after_step"] = all_reduce_max(max_diff(after, before))
+    out["parity_after_step"] = all_reduce_max(max_diff(after, trainer_logprobs(actor, seqs)))
+    out["weights_version"] = switch.weights_version
+
+    # 3. a sync after a failed generate (one request too long for the engine) still works
+    too_long = [seqs[0], seqs[0] * 40]
+    try:
+        engine.generate(too_long, SamplingSpec(n=2, max_tokens=8))
+        out["aborted_generate_raised"] = False
+    except Exception as e:
+        out["aborted_generate_raised"] = type(e).__name__
+    switch.to_train()
+    switch.to_rollout()
+    res = engine.generate([seqs[1][:20]], SamplingSpec(n=2, max_tokens=8, seed=1))
+    out["generate_after_abort_ok"] = len(res[0].completions) == 2
+    out["parity_after_abort"] = all_reduce_max(max_diff(engine.prompt_logprobs(seqs), trainer_logprobs(actor, seqs)))
+
+    # 4. many switches: resident memory stays flat
+    rss = []
+    for _ in range(switches):
+        switch.to_train()
+        switch.to_rollout()
+        engine.generate([seqs[2][:24]], SamplingSpec(n=4, max_tokens=8, seed=2))
+        rss.append(memory_reading()["rss_mib"])
+    out["rss_mib"] = rss
+    out["rss_growth_mib_after_warmup"] = all_reduce_max(rss[-1] - rss[min(5, len(rss) - 1)])
+    out["switch_total_s_mean"] = sum(r.total_seconds for r in switch.history[-2 * switches :]) / switches
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--switches", type=int, default=50)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--preset", default="tiny")
+    args = ap.parse_args()
+    ctx = init_distributed("cpu")
+    path = str(tiny_model_path(args.preset)) if ctx.rank == 0 else None
+    barrier()
+    path = str(tiny_model_path(args.preset))
+    report = {"world_size": ctx.world_size, "results": [check_dtype(d, path, ctx, args.switches) for d in args.dtypes.split(",")]}
+    if ctx.rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    barrier()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: vLLM's atexit shutdown tears down the process group mid-exit
+
+
+if __name__ == "__main__":
+    main()

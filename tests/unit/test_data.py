@@ -1,0 +1,134 @@
+"""The synthetic task and the prompt loader (including its error messages)."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hybrid_rl.data import synth_math
+from hybrid_rl.data.dataset import DataError, PromptSampler, load_prompts, read_rows
+from hybrid_rl.rewards.functions import math_reward
+
+pytestmark = pytest.mark.unit
+
+
+class Cfg:
+    prompt_key = "prompt"
+    answer_key = "reward_model.ground_truth"
+    max_prompt_length = 128
+    truncation = "skip"
+    system_prompt = None
+
+
+def test_problems_are_correct_and_levels_scale():
+    import random
+
+    rng = random.Random(0)
+    for level in range(1, 6):
+        for _ in range(50):
+            p = synth_math.make_problem(rng, level)
+            assert p.level == level
+            # the worked solution's last equation gives the answer, and the verifier agrees
+            assert p.solution.rstrip(".").split("= ")[-1] == str(p.answer)
+            assert math_reward("x", synth_math.format_solution(p), str(p.answer)) == 1.0
+    with pytest.raises(ValueError, match="level"):
+        synth_math.make_problem(rng, 9)
+
+
+def test_splits_fixed_by_seed_and_disjoint(tmp_path):
+    a = synth_math.write_splits(tmp_path / "a", 300, 50, seed=1, levels=[1, 2, 3, 4])
+    b = synth_math.write_splits(tmp_path / "b", 300, 50, seed=1, levels=[1, 2, 3, 4])
+    ra, rb = read_rows(a["train"]), read_rows(b["train"])
+    assert ra == rb and len(ra) == 300
+    val = {r["prompt"][0]["content"] for r in read_rows(a["val"])}
+    assert not val & {r["prompt"][0]["content"] for r in ra}
+    row = ra[0]
+    assert row["data_source"] == synth_math.DATA_SOURCE
+    assert row["prompt"][0]["role"] == "user" and row["reward_model"]["style"] == "rule"
+    assert row["extra_info"]["split"] == "train"
+
+
+def test_load_prompts_parquet_and_jsonl(tmp_path, tokenizer):
+    paths = synth_math.write_splits(tmp_path, 20, 5, seed=0, levels=[1])
+    recs, rep = load_prompts([paths["train"]], tokenizer, Cfg)
+    assert len(recs) == 20 and rep.kept == 20
+    assert recs[0].prompt_ids[-3:] == tokenizer.encode("<|im_start|>assistant\n")[-3:]
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}) + "\n")
+
+    class G(Cfg):
+        prompt_key = "question"
+        answer_key = "answer"
+
+    recs, _ = load_prompts([gsm], tokenizer, G)
+    assert recs[0].messages == [{"role": "user", "content": "What is 2+2?"}]
+    assert math_reward("gsm", "so \\boxed{4}", recs[0].ground_truth) == 1.0
+
+
+def test_errors_name_file_row_and_field(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="does not exist"):
+        load_prompts([tmp_path / "nope.parquet"], tokenizer, Cfg)
+    f = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "hi", "reward_model": {"ground_truth": "1"}}, {"question": "x"}]), f)
+    with pytest.raises(DataError, match=r"bad.parquet: row 1: missing prompt column 'prompt'"):
+        load_prompts([f], tokenizer, Cfg)
+    f2 = tmp_path / "noanswer.jsonl"
+    f2.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(DataError, match=r"row 0: missing ground-truth field 'reward_model.ground_truth'"):
+        load_prompts([f2], tokenizer, Cfg)
+    f3 = tmp_path / "empty.jsonl"
+    f3.write_text(json.dumps({"prompt": "  ", "reward_model": {"ground_truth": "1"}}) + "\n")
+    with pytest.raises(DataError, match="row 0: empty prompt"):
+        load_prompts([f3], tokenizer, Cfg)
+    f4 = tmp_path / "latin1.jsonl"
+    f4.write_bytes(b'{"prompt": "ok", "reward_model": {"ground_truth": "1"}}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not valid UTF-8"):
+        load_prompts([f4], tokenizer, Cfg)
+    f5 = tmp_path / "msgs.jsonl"
+    f5.write_text(json.dumps({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}) + "\n")
+    with pytest.raises(DataError, match=r"prompt\[0\]"):
+        load_prompts([f5], tokenizer, Cfg)
+    with pytest.raises(DataError, match="unsupported format"):
+        (tmp_path / "x.csv").write_text("a,b\n")
+        load_prompts([tmp_path / "x.csv"], tokenizer, Cfg)
+
+
+def test_too_long_prompts_policy(tmp_path, tokenizer):
+    f = tmp_path / "long.jsonl"
+    rows = [
+        {"prompt": "short", "reward_model": {"ground_truth": "1"}},
+        {"prompt": "word " * 200, "reward_model": {"ground_truth": "2"}},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    class C(Cfg):
+        max_prompt_length = 40
+
+    recs, rep = load_prompts([f], tokenizer, C)
+    assert len(recs) == 1 and rep.skipped_too_long == 1
+
+    class L(C):
+        truncation = "left"
+
+    recs, rep = load_prompts([f], tokenizer, L)
+    assert len(recs) == 2 and rep.truncated == 1 and len(recs[1].prompt_ids) == 40
+
+    class E(C):
+        truncation = "error"
+
+    with pytest.raises(DataError, match="row 1: prompt is .* tokens, over data.max_prompt_length=40"):
+        load_prompts([f], tokenizer, E)
+
+
+def test_sampler_is_deterministic_and_resumable():
+    a = PromptSampler(10, 4, seed=3)
+    seq = [a.next_batch() for _ in range(5)]
+    b = PromptSampler(10, 4, seed=3)
+    b.next_batch(), b.next_batch()
+    c = PromptSampler(10, 4, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert [c.next_batch() for _ in range(3)] == seq[2:]
+    assert all(len(x) == 4 for x in seq)
+    with pytest.raises(DataError, match="train_batch_size"):
+        PromptSampler(3, 4, seed=0)
