@@ -153,6 +153,10 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     gamma: float = 1.0
     lam: float = 1.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts until
+    # data.train_batch_size x rollout.n samples are kept, for at most max_gen_rounds batches.
+    filter_groups: bool = False
+    max_gen_rounds: int = 3
     # Truncated importance sampling between rollout-engine and trainer log-probs: none | token | sequence.
     tis_mode: str = "none"
     tis_cap: float = 2.0

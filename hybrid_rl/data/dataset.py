@@ -45,9 +45,9 @@ class LoadReport:
 
 def synth_math_paths(synth: Any) -> dict[str, Path]:
     """Generate (once, cached by its settings) the synthetic math splits; returns their paths."""
-    from hybrid_rl.data.synth_math import write_splits
+    from hybrid_rl.data.synth_math import GENERATOR_VERSION, write_splits
 
-    key = json.dumps([synth.n_train, synth.n_val, list(synth.levels), synth.seed])
+    key = json.dumps([GENERATOR_VERSION, synth.n_train, synth.n_val, list(synth.levels), synth.seed])
     out = cache_root() / "data" / f"synth_math-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
     if not all(p.exists() for p in paths.values()):
@@ -108,7 +108,10 @@ def row_messages(row: dict, prompt_key: str, where: str, system_prompt: str | No
     try:
         prompt = get_path(row, prompt_key)
     except KeyError:
-        raise DataError(f"{where}: missing prompt column {prompt_key!r} (data.prompt_key); row has: {', '.join(row)}") from None
+        prompt = None
+    if prompt is None:
+        present = ", ".join(k for k, v in row.items() if v is not None)
+        raise DataError(f"{where}: missing prompt column {prompt_key!r} (data.prompt_key); row has: {present}")
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list | tuple) and prompt:

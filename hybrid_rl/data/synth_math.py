@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA_SOURCE = "hybrid_rl/synth_math"
+# Bump when the generator changes what it writes: cached splits are keyed by it.
+GENERATOR_VERSION = 2
 INSTRUCTION = "Put the final answer in \\boxed{}."
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo"]

@@ -150,12 +150,13 @@ class FSDPEngine:
         for mb in batch.split(self.micro_batch_size):
             trimmed = mb.trimmed()
             out = self._forward(trimmed, temperature)
+            real = trimmed.attention_mask[:, trimmed.prompt_len :].float()  # 0 on padding: values there are meaningless
             for name, value in out._asdict().items():
                 if value is None:
                     continue
                 v = value.float().cpu()
                 if v.dim() == 2:
-                    v = torch.nn.functional.pad(v, (0, r_full - v.shape[1]))
+                    v = torch.nn.functional.pad(v * real, (0, r_full - v.shape[1]))
                 fields.setdefault(name, []).append(v)
         return ModelOutputs(**{k: torch.cat(v) for k, v in fields.items()})
 

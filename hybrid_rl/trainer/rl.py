@@ -20,13 +20,22 @@ import torch
 from omegaconf import OmegaConf
 
 from hybrid_rl.algorithms.advantages import AdvantageInputs
+from hybrid_rl.algorithms.filters import informative_groups
 from hybrid_rl.algorithms.kl import kl_estimate, kl_in_reward, make_kl_controller
 from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, masked_mean
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, TrainBatch, collate
 from hybrid_rl.config import validate
 from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
-from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum, barrier, gather_rows, mean_over_ranks
+from hybrid_rl.dist import (
+    DistContext,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    gather_rows,
+    mean_over_ranks,
+)
 from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype
 from hybrid_rl.hybrid.switch import HybridSwitch, SwitchReport
 from hybrid_rl.rewards.pool import RewardPool
@@ -123,24 +132,24 @@ class RLTrainer:
         timer = PhaseTimer("timing", self.ctx.device)
         m: dict[str, float] = {}
         with timer.phase("step"):
-            with timer.phase("rollout"):
-                rollout = self.generate(self.next_prompts())
+            rollout = self.collect_rollout(timer, m)
             with timer.phase("switch_to_train"):
                 m.update(self.switch_metrics(self.switch.to_train()))
-            with timer.phase("reward"):
-                m.update(self.score(rollout))
-            batch = collate(rollout.samples, self.tokenizer.pad_token_id, rollout.weights_version)
-            with timer.phase("logprobs"):
-                m.update(self.compute_logprobs(batch))
-            with timer.phase("advantage"):
-                m.update(self.compute_advantages(batch))
-            with timer.phase("update"):
-                m.update(self.update_policy(batch))
+            if rollout.samples:
+                batch = collate(rollout.samples, self.tokenizer.pad_token_id, rollout.weights_version)
+                with timer.phase("logprobs"):
+                    m.update(self.compute_logprobs(batch))
+                with timer.phase("advantage"):
+                    m.update(self.compute_advantages(batch))
+                with timer.phase("update"):
+                    m.update(self.update_policy(batch))
+                m.update(self.throughput(rollout, batch, timer))
+            else:  # dynamic sampling kept nothing: every group's answers scored the same
+                m["dapo/skipped_updates"] = 1.0
             with timer.phase("switch_to_rollout"):
                 m.update(self.switch_metrics(self.switch.to_rollout()))
         self.step_idx += 1
         m.update(rollout.stats)
-        m.update(self.throughput(rollout, batch, timer))
         m.update(timer.metrics())
         m["weights_version"] = float(self.switch.weights_version)
         return self.reduce_metrics(m)
@@ -159,9 +168,50 @@ class RLTrainer:
             n=n or r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seed=seed
         )
 
-    def generate(self, prompts: list[Any]) -> Rollout:
-        offset = self.ctx.rank * len(prompts)
-        return sample_groups(self.rollout_engine, prompts, offset, self.sampling_spec(), self.switch.weights_version)
+    def generate(self, prompts: list[Any], round_idx: int = 0) -> Rollout:
+        offset = (round_idx * self.ctx.world_size + self.ctx.rank) * len(prompts)
+        spec = self.sampling_spec()
+        spec.seed = spec.seed + 7919 * round_idx
+        return sample_groups(self.rollout_engine, prompts, offset, spec, self.switch.weights_version)
+
+    def collect_rollout(self, timer: PhaseTimer, m: dict[str, float]) -> Rollout:
+        """Generate and score; with ``algorithm.filter_groups`` keep drawing batches until enough
+        informative groups are collected (DAPO dynamic sampling), then deal them out to ranks."""
+        a = self.cfg.algorithm
+        with timer.phase("generate"):
+            rollout = self.generate(self.next_prompts())
+        with timer.phase("reward"):
+            m.update(self.score(rollout))
+        if not a.filter_groups:
+            return rollout
+        target = self.cfg.data.train_batch_size * self.cfg.rollout.n
+        kept, drawn, rounds = [], 0, 0
+        while True:
+            everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
+            drawn += len({s.group for s in everyone})
+            mask = informative_groups(torch.tensor([s.score for s in everyone]), torch.tensor([s.group for s in everyone]))
+            kept += [s for s, k in zip(everyone, mask.tolist(), strict=True) if k]
+            rounds += 1
+            if len(kept) >= target or rounds >= a.max_gen_rounds:
+                break
+            with timer.phase("generate"):
+                extra = self.generate(self.next_prompts(), round_idx=rounds)
+            with timer.phase("reward"):
+                self.score(extra)
+            for k, v in extra.stats.items():
+                rollout.stats[k] = rollout.stats.get(k, 0.0) + v
+            rollout = Rollout(extra.samples, extra.weights_version, rollout.stats)
+        per_rank = min(len(kept), target) // self.ctx.world_size
+        mine = kept[: per_rank * self.ctx.world_size][self.ctx.rank :: self.ctx.world_size]
+        m.update(
+            {
+                "dapo/gen_rounds": float(rounds),
+                "dapo/prompts_drawn": float(drawn),
+                "dapo/kept_samples": float(len(kept)),
+                "dapo/used_samples": float(per_rank * self.ctx.world_size),
+            }
+        )
+        return Rollout(mine, rollout.weights_version, rollout.stats)
 
     def score(self, rollout: Rollout) -> dict[str, float]:
         samples = rollout.samples
@@ -268,14 +318,14 @@ class RLTrainer:
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
-            "rollout/tokens_per_s": gen_tokens / max(timer.seconds.get("rollout", 1e-9), 1e-9),
+            "rollout/tokens_per_s": gen_tokens / max(timer.seconds.get("generate", 1e-9), 1e-9),
             "train/tokens_per_s": train_tokens * self.cfg.actor.epochs / max(timer.seconds.get("update", 1e-9), 1e-9),
         }
 
     def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
         """Mean over ranks, except token counts (summed) and throughput (already global)."""
         summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
-        globals_ = {k for k in m if k.endswith("tokens_per_s")}
+        globals_ = {k for k in m if k.endswith("tokens_per_s") or k.startswith("dapo/")}
         sums = dict(zip(sorted(summed), all_reduce_sum([m[k] for k in sorted(summed)]), strict=True))
         means = mean_over_ranks({k: v for k, v in m.items() if k not in summed and k not in globals_})
         return {**means, **sums, **{k: m[k] for k in globals_}}

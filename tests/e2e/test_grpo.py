@@ -23,6 +23,8 @@ COMMON = [
     "logger.progress_bar=false",
     "rollout.val_pass_k=2",
     "actor.micro_batch_size=8",
+    # a random-init model scores 0 everywhere: keep every group so the update runs
+    "algorithm.filter_groups=false",
 ]
 
 

@@ -32,6 +32,11 @@ from hybrid_rl.rollout.vllm_engine import VLLMRollout  # noqa: E402
 from hybrid_rl.timing import memory_reading  # noqa: E402
 
 
+# Engines must outlive the process group: a collected in-process engine shuts itself down, and
+# vLLM's shutdown destroys torch.distributed's default group (on that rank only -> hangs).
+KEEP_ALIVE: list = []
+
+
 def fixed_sequences(tok, rank: int) -> list[list[int]]:
     out = []
     for i in range(4):
@@ -82,6 +87,7 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
         kv_cache_gib=0.125,
     )
     engine = VLLMRollout(path, rc, dtype, seed=ctx.rank, device=ctx.device, max_model_len=256)
+    KEEP_ALIVE.extend([engine, actor])
     tok = engine.tokenizer
     switch = HybridSwitch(actor, engine, sync_dtype=to_dtype(dtype), bucket_bytes=1 << 20, device=ctx.device)
     seqs = fixed_sequences(tok, ctx.rank)

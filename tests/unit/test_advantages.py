@@ -143,3 +143,11 @@ def test_group_stats_and_whiten():
 def test_unknown_estimator_lists_known():
     with pytest.raises(KeyError, match="known: .*grpo"):
         ADV_ESTIMATORS["nope"]
+
+
+def test_informative_groups_drops_equal_reward_groups():
+    from hybrid_rl.algorithms.filters import informative_groups
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    assert informative_groups(scores, groups).tolist() == [False, False, True, True, False, False, False, False]
