@@ -31,7 +31,6 @@ from hybrid_rl.rollout.base import SamplingSpec  # noqa: E402
 from hybrid_rl.rollout.vllm_engine import VLLMRollout  # noqa: E402
 from hybrid_rl.timing import memory_reading  # noqa: E402
 
-
 # Engines must outlive the process group: a collected in-process engine shuts itself down, and
 # vLLM's shutdown destroys torch.distributed's default group (on that rank only -> hangs).
 KEEP_ALIVE: list = []
