@@ -35,6 +35,8 @@ class Sample:
     # Filled by the reward stage.
     score: float = 0.0
     reward_extra: dict = field(default_factory=dict)
+    # ReMax: the reward of the greedy answer to the same prompt.
+    baseline_score: float = 0.0
 
     @property
     def text_len(self) -> int:
@@ -62,6 +64,7 @@ class TrainBatch:
     prompt_len: int  # P: response token j sits at input position P + j
     group_ids: Tensor  # [B] long; equal for samples of the same prompt
     scores: Tensor  # [B] float; sequence reward from the reward stage
+    baseline_scores: Tensor | None = None  # [B] ReMax: reward of the greedy answer to the same prompt
     rollout_logprobs: Tensor | None = None  # [B, R] from the rollout engine's sampler
     old_logprobs: Tensor | None = None  # [B, R] trainer forward before the update
     ref_logprobs: Tensor | None = None  # [B, R] frozen reference policy
@@ -70,7 +73,7 @@ class TrainBatch:
     returns: Tensor | None = None  # [B, R] value targets
     advantages: Tensor | None = None  # [B, R]
     loss_weights: Tensor | None = None  # [B, R] aggregation weights (see algorithms.losses.agg_weights)
-    labels: Tensor | None = None  # [B, R] target ids for SFT (= response ids)
+    ref_seq_logprobs: Tensor | None = None  # [B] DPO: reference log-prob of each row's response, summed
     weights_version: int = 0
 
     @property
@@ -150,6 +153,7 @@ def collate(samples: list[Sample], pad_id: int, weights_version: int = 0) -> Tra
         prompt_len=p_len,
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         scores=torch.tensor([s.score for s in samples], dtype=torch.float32),
+        baseline_scores=torch.tensor([s.baseline_score for s in samples], dtype=torch.float32),
         rollout_logprobs=rollout_lp,
         weights_version=weights_version,
     )

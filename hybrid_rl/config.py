@@ -26,6 +26,8 @@ class ModelConfig:
     #   builtin:tiny      randomly initialised tiny Qwen2 (hybrid_rl.models.tiny, preset below)
     #   builtin:tiny-sft  the tiny model after the sft_math warm start (built once, then cached)
     path: str = "builtin:tiny-sft"
+    # The recipe that builds builtin:tiny-sft (conf/recipe/<name>.yaml).
+    sft_recipe: str = "sft_math"
     # Preset for builtin models: micro | tiny | small | base.
     preset: str = "tiny"
     # Parameter dtype of the training engine's master weights and of the rollout engine.
@@ -72,6 +74,24 @@ class DataConfig:
 
 
 @dataclass
+class AgentConfig:
+    # Multi-turn tool use: the model calls tools (hybrid_rl/rollout/agent.py).
+    enable: bool = False
+    # YAML file listing the tools (class_name + config), like verl's tool config.
+    tool_config: str = "conf/tools/python.yaml"
+    # Tool-call format parser: hermes (Qwen's <tool_call>{json}</tool_call>).
+    parser: str = "hermes"
+    # Model turns per episode, and the token budget of the whole response (model + tool tokens).
+    max_turns: int = 3
+    max_response_tokens: int = 128
+    # Tool responses longer than this (tokens) are truncated, keeping the head or the tail.
+    tool_response_max_tokens: int = 32
+    tool_response_keep: str = "head"
+    # continuous (a slow tool delays only its own trajectory) | lockstep
+    scheduling: str = "continuous"
+
+
+@dataclass
 class RolloutConfig:
     # Group size G: samples per prompt, drawn with SamplingParams(n=G) so they share the prompt's KV.
     n: int = 8
@@ -95,6 +115,7 @@ class RolloutConfig:
     sync_bucket_mb: int = 64
     # Validation sampling: greedy pass@1 always; pass@k with this k at `temperature` (0 = off).
     val_pass_k: int = 0
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -157,9 +178,56 @@ class AlgorithmConfig:
     # data.train_batch_size x rollout.n samples are kept, for at most max_gen_rounds batches.
     filter_groups: bool = False
     max_gen_rounds: int = 3
+    # DAPO overlong reward shaping: responses within `overlong_buffer` tokens of
+    # rollout.max_response_length lose up to `overlong_penalty_factor` linearly (0 = off);
+    # mask_truncated drops responses cut at the length limit from the loss.
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    mask_truncated: bool = False
+    # ReMax: also generate the greedy answer per prompt; its reward is the baseline.
+    greedy_baseline: bool = False
+    # GFPO: keep the best `gfpo_keep` of each group by `gfpo_metric` (length | reward_per_token).
+    gfpo_keep: int = 4
+    gfpo_metric: str = "length"
     # Truncated importance sampling between rollout-engine and trainer log-probs: none | token | sequence.
     tis_mode: str = "none"
     tis_cap: float = 2.0
+
+
+@dataclass
+class CriticConfig:
+    # PPO's value model: a separate FSDP2 model (the policy's body + a zero-initialised scalar head).
+    enable: bool = False
+    lr: float = 1.0e-5
+    # Clip of the value update around the old values (null = plain squared error).
+    cliprange_value: float | None = 0.5
+    value_loss_coef: float = 1.0
+    # Steps at the start that train only the critic (the actor waits for useful values).
+    warmup_steps: int = 0
+
+
+@dataclass
+class PreferenceConfig:
+    # DPO temperature beta.
+    beta: float = 0.1
+    # Reward-model loss: pairwise (Bradley-Terry) | margin (hinge) | listwise (softmax CE over ranks).
+    rm_loss: str = "pairwise"
+    rm_margin: float = 1.0
+    # Responses per ranked list (listwise); pairs use 2.
+    list_size: int = 4
+    # Building the default preference set from the SFT model: prompts used, answers sampled per prompt.
+    n_prompts: int = 1500
+    samples_per_prompt: int = 8
+    # Held-out share of the built preference set.
+    val_fraction: float = 0.1
+
+
+@dataclass
+class RewardModelConfig:
+    # A learned reward model scoring (prompt, response) on the training devices: a local HF
+    # *ForSequenceClassification folder, or builtin:tiny-rm (built once by the rm_math recipe); null = off.
+    path: str | None = None
+    weight: float = 1.0
 
 
 @dataclass
@@ -174,6 +242,7 @@ class RewardFnConfig:
 @dataclass
 class RewardConfig:
     functions: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     # Worker processes that score responses, and the per-response timeout (s).
     num_workers: int = 1
     timeout_s: float = 10.0
@@ -185,7 +254,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    # rl | sft
+    # rl | sft | dpo | rm
     task: str = "rl"
     run_name: str = "default"
     output_dir: str = "outputs/${trainer.run_name}"
@@ -207,6 +276,8 @@ class TrainerConfig:
     export_hf: bool = True
     # Rollouts may be at most this many weight versions old (0 = strictly on-policy).
     max_staleness: int = 0
+    # Abort after this many consecutive updates with a non-finite loss or gradient norm (each is skipped).
+    max_bad_steps: int = 3
     # Seconds a collective may wait before the run fails with an error instead of hanging.
     collective_timeout_s: int = 600
     # SFT only: epochs over the training split (the step budget wins if reached first).
@@ -228,6 +299,8 @@ class Config:
     rollout: RolloutConfig = MISSING
     actor: ActorConfig = MISSING
     algorithm: AlgorithmConfig = MISSING
+    critic: CriticConfig = MISSING
+    preference: PreferenceConfig = MISSING
     reward: RewardConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
@@ -243,6 +316,8 @@ def register_configs() -> None:
         "rollout": RolloutConfig,
         "actor": ActorConfig,
         "algorithm": AlgorithmConfig,
+        "critic": CriticConfig,
+        "preference": PreferenceConfig,
         "reward": RewardConfig,
         "trainer": TrainerConfig,
         "logger": LoggerConfig,
@@ -259,8 +334,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
 
     a, r, d, t, act = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer, cfg.actor
     problems: list[str] = []
-    if t.task not in ("rl", "sft"):
-        problems.append(f"trainer.task={t.task!r} must be rl or sft")
+    if t.task not in ("rl", "sft", "dpo", "rm"):
+        problems.append(f"trainer.task={t.task!r} must be rl, sft, dpo or rm")
+    pr = cfg.preference
+    if pr.rm_loss not in ("pairwise", "margin", "listwise"):
+        problems.append(f"preference.rm_loss={pr.rm_loss!r} must be pairwise, margin or listwise")
+    if t.task in ("dpo", "rm") and act.max_tokens_per_micro:
+        problems.append("actor.max_tokens_per_micro must be 0 for dpo/rm (micro-batches keep pairs and lists together)")
     if a.loss_agg_mode not in LOSS_AGG_MODES:
         problems.append(f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
     if t.task == "rl":
@@ -273,8 +353,16 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                 f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
                 + (" (and std normalisation divides by a group's std)" if a.norm_adv_by_std else "")
             )
-        if d.train_batch_size % world_size:
-            problems.append(f"data.train_batch_size={d.train_batch_size} does not divide over {world_size} ranks")
+        tp = r.tensor_parallel_size
+        if tp < 1 or world_size % tp:
+            problems.append(f"rollout.tensor_parallel_size={tp} must divide the {world_size} ranks")
+        elif d.train_batch_size % (world_size // tp):
+            problems.append(
+                f"data.train_batch_size={d.train_batch_size} does not divide over {world_size // tp} "
+                f"data-parallel rollout groups ({world_size} ranks / rollout.tensor_parallel_size={tp})"
+            )
+        elif (d.train_batch_size // (world_size // tp) * r.n) % tp:
+            problems.append(f"the samples of a rollout group do not split over rollout.tensor_parallel_size={tp} ranks")
         samples = d.train_batch_size * r.n
         mini = act.mini_batch_size or samples
         if samples % mini:
@@ -290,8 +378,28 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             problems.append("algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0")
         if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
             problems.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)")
+        if a.adv_estimator == "gae" and not cfg.critic.enable:
+            problems.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true")
+        if a.adv_estimator == "remax" and not a.greedy_baseline:
+            problems.append("algorithm.adv_estimator=remax needs algorithm.greedy_baseline=true")
+        if a.adv_estimator == "gfpo" and not 2 <= a.gfpo_keep <= r.n:
+            problems.append(f"algorithm.gfpo_keep={a.gfpo_keep} must be in [2, rollout.n={r.n}]")
+        if a.gfpo_metric not in ("length", "reward_per_token"):
+            problems.append(f"algorithm.gfpo_metric={a.gfpo_metric!r} must be length or reward_per_token")
+        if a.overlong_buffer < 0 or a.overlong_buffer >= r.max_response_length:
+            problems.append(f"algorithm.overlong_buffer={a.overlong_buffer} must be in [0, rollout.max_response_length)")
         if a.tis_mode not in ("none", "token", "sequence"):
             problems.append(f"algorithm.tis_mode={a.tis_mode!r} must be none, token or sequence")
+    ag = cfg.rollout.agent
+    if ag.enable:
+        if ag.scheduling not in ("continuous", "lockstep"):
+            problems.append(f"rollout.agent.scheduling={ag.scheduling!r} must be continuous or lockstep")
+        if ag.tool_response_keep not in ("head", "tail"):
+            problems.append(f"rollout.agent.tool_response_keep={ag.tool_response_keep!r} must be head or tail")
+        if ag.max_turns < 1 or ag.max_response_tokens < r.max_response_length:
+            problems.append(
+                "rollout.agent.max_turns must be >= 1 and rollout.agent.max_response_tokens >= rollout.max_response_length"
+            )
     if d.truncation not in ("skip", "left", "right", "error"):
         problems.append(f"data.truncation={d.truncation!r} must be skip, left, right or error")
     if d.max_prompt_length < 1:

@@ -138,3 +138,16 @@ def gather_rows(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
             pieces = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in pieces]
         out[k] = torch.cat(pieces)
     return out, slice(start, start + n_local)
+
+
+class RankFailure(RuntimeError):
+    """A phase failed on some rank; raised on every rank so none is left waiting."""
+
+
+def raise_if_any_failed(error: BaseException | None, what: str) -> None:
+    """Collective: share each rank's error (or None); if any rank failed, raise on all of them."""
+    errors = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise RankFailure(f"{what} failed ({detail})") from error

@@ -195,3 +195,43 @@ def gae(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
         inp.token_rewards, inp.values, inp.response_mask, getattr(cfg, "gamma", 1.0), getattr(cfg, "lam", 1.0)
     )
     return masked_whiten(adv, inp.response_mask), returns
+
+
+def gfpo_keep_mask(scores: Tensor, lengths: Tensor, group_ids: Tensor, keep: int, metric: str) -> Tensor:
+    """GFPO filter: in each group keep the ``keep`` best samples by ``metric`` (bool ``[B]``).
+
+    ``length``: shortest responses first; ``reward_per_token``: highest ``score / length`` first
+    (ties broken by position, so the result is deterministic).
+    """
+    if metric == "length":
+        key = lengths.float()
+    elif metric == "reward_per_token":
+        key = -scores / lengths.clamp(min=1).float()
+    else:
+        raise ValueError(f"unknown gfpo metric {metric!r}; known: length, reward_per_token")
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    for g in torch.unique(group_ids):
+        idx = (group_ids == g).nonzero().squeeze(1)
+        order = idx[torch.argsort(key[idx], stable=True)]
+        mask[order[:keep]] = True
+    return mask
+
+
+@register_adv_est("gfpo")
+def gfpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    r"""GFPO (Shrivastava et al. 2025, "Sample More to Think Less"): group filtering.
+
+    Sample a larger group, keep the ``cfg.gfpo_keep`` responses that rank best by
+    ``cfg.gfpo_metric``, and compute GRPO advantages with the kept subset's mean and std:
+
+    .. math:: \hat A_i = \frac{s_i - \mathrm{mean}(s_{\mathcal K})}{\mathrm{std}(s_{\mathcal K})} [i \in \mathcal K],\qquad 0 \text{ otherwise}
+    """
+    scores = (inp.token_rewards * inp.response_mask).sum(-1)
+    lengths = inp.response_mask.sum(-1)
+    keep = gfpo_keep_mask(scores, lengths, inp.group_ids, int(cfg.gfpo_keep), cfg.gfpo_metric)
+    kept_groups = torch.where(keep, inp.group_ids, torch.full_like(inp.group_ids, -1))
+    mean, std, _ = group_stats(scores, kept_groups)
+    adv = (scores - mean) / (std + 1e-6) if getattr(cfg, "norm_adv_by_std", True) else scores - mean
+    adv = torch.where(keep, adv, torch.zeros_like(adv))
+    out = _broadcast(adv, inp.response_mask)
+    return out, out

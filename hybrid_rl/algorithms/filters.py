@@ -17,3 +17,21 @@ def informative_groups(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> 
     hi = torch.full((n,), -torch.inf).scatter_reduce(0, inv, scores, "amax")
     lo = torch.full((n,), torch.inf).scatter_reduce(0, inv, scores, "amin")
     return (hi - lo > eps)[inv]
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:
+    r"""DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward ``[B]``.
+
+    .. math::
+        R_{len}(y) = \begin{cases} 0 & |y| \le L_{max} - L_{buf} \\
+        \frac{(L_{max} - L_{buf}) - |y|}{L_{buf}} & L_{max} - L_{buf} < |y| \le L_{max} \\
+        -1 & |y| > L_{max} \end{cases}
+
+    times ``factor``. ``buffer = 0`` disables it.
+    """
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    start = max_len - buffer
+    pen = ((start - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+    pen = torch.where(lengths > max_len, torch.full_like(pen, -1.0), pen)
+    return pen * factor

@@ -188,3 +188,34 @@ def make_sft_loss() -> LossFn:
         return (nll * mb.loss_weights).sum(), {"sft/nll": masked_mean(nll.detach(), mb.response_mask)}
 
     return loss_fn
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None) -> Tensor:
+    r"""PPO's clipped value loss (per token), as in OpenAI baselines / verl.
+
+    .. math:: L^V_t = \tfrac12\max\big((V_t - R_t)^2,\ (V^{old}_t + \mathrm{clip}(V_t - V^{old}_t, -c, c) - R_t)^2\big)
+
+    ``clip=None`` gives the plain squared error.
+    """
+    err = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * err
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum(err, (clipped - returns) ** 2)
+
+
+def make_critic_loss(cfg: Any) -> LossFn:
+    """The critic's loss for the ``critic`` config: clipped value loss times ``value_loss_coef``."""
+
+    def loss_fn(out: ModelOutputs, mb: TrainBatch) -> tuple[Tensor, dict]:
+        mask = mb.response_mask
+        loss = clipped_value_loss(out.values, mb.values, mb.returns, cfg.cliprange_value)
+        clip_frac = ((out.values - mb.values).abs() > (cfg.cliprange_value or float("inf"))).float()
+        metrics = {
+            "critic/value_loss": masked_mean(loss.detach(), mask),
+            "critic/clip_frac": masked_mean(clip_frac, mask),
+            "critic/values": masked_mean(out.values.detach(), mask),
+        }
+        return (cfg.value_loss_coef * loss * mb.loss_weights).sum(), metrics
+
+    return loss_fn

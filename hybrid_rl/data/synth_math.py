@@ -28,7 +28,7 @@ from pathlib import Path
 
 DATA_SOURCE = "hybrid_rl/synth_math"
 # Bump when the generator changes what it writes: cached splits are keyed by it.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 INSTRUCTION = "Put the final answer in \\boxed{}."
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo"]
@@ -104,6 +104,17 @@ def format_solution(p: Problem) -> str:
     return f"{p.solution} The answer is \\boxed{{{p.answer}}}."
 
 
+def tool_turns(p: Problem) -> list[list[str]]:
+    """A worked tool-use trajectory: compute with the python tool, then answer with its output."""
+    steps = [step.split(" = ")[0] for step in p.solution.rstrip(".").split(". ")]
+    expr = steps[0]
+    for step in steps[1:]:  # "a - b" then "x * k" -> "(a - b) * k"
+        expr = f"({expr}) {step.split(' ', 1)[1]}"
+    code = f"print({expr})"
+    call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+    return [["assistant", call], ["tool", str(p.answer)], ["assistant", f"The answer is \\boxed{{{p.answer}}}."]]
+
+
 def to_row(p: Problem, split: str, index: int) -> dict:
     """A verl-schema row for one problem."""
     return {
@@ -116,6 +127,7 @@ def to_row(p: Problem, split: str, index: int) -> dict:
             "index": index,
             "level": p.level,
             "solution": format_solution(p),
+            "tool_turns": tool_turns(p),
         },
     }
 

@@ -267,6 +267,34 @@ class FSDPEngine:
         return moved
 
     # ---------------------------------------------------------------- checkpoint / export
+    def extra_state(self) -> dict:
+        """Engine counters and the LR schedule (DCP holds the model and optimizer)."""
+        return {
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_bad_steps": self.consecutive_bad_steps,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+    def load_extra_state(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.consecutive_bad_steps = int(state["consecutive_bad_steps"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def params_finite(self) -> bool:
+        """Whether every parameter is finite on every rank (collective)."""
+        from hybrid_rl.dist import all_reduce_max
+
+        bad = 0.0
+        for p in self.module.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if not torch.isfinite(local).all():
+                bad = 1.0
+                break
+        return all_reduce_max(bad) == 0.0
+
     def state_dicts(self) -> tuple[dict, dict]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -319,9 +347,14 @@ def load_hf_causal_lm(
                 attn_implementation = "flash_attention_2"
             except ImportError:
                 pass
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:
+        from hybrid_rl.trainer.build import ModelPathError
+
+        raise ModelPathError(f"model.path={path!r}: cannot load the model ({type(e).__name__}: {e})") from e
     model.config.use_cache = False
     return model
 
@@ -356,4 +389,33 @@ def build_policy_engine(
         max_tokens_per_micro=actor_cfg.max_tokens_per_micro,
         param_dtype=to_dtype(actor_cfg.param_dtype),
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
+    )
+
+
+def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistContext, total_steps: int) -> FSDPEngine:
+    """A critic initialised from the policy checkpoint's body with a zero-initialised value head."""
+    from hybrid_rl.engine.heads import ValueModule
+
+    dtype = to_dtype(model_cfg.dtype)
+    lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
+    module = ValueModule(lm.model, lm.config.hidden_size).to(dtype)
+    optim = OptimConfig(
+        lr=critic_cfg.lr,
+        weight_decay=actor_cfg.weight_decay,
+        betas=tuple(actor_cfg.betas),
+        warmup_steps=0,
+        schedule="constant",
+        min_lr_ratio=1.0,
+        total_steps=total_steps,
+        grad_clip=actor_cfg.grad_clip,
+    )
+    return FSDPEngine(
+        module,
+        ctx,
+        optim,
+        micro_batch_size=actor_cfg.micro_batch_size,
+        max_tokens_per_micro=actor_cfg.max_tokens_per_micro,
+        param_dtype=to_dtype(actor_cfg.param_dtype),
+        reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
+        name_prefix="body.",
     )

@@ -79,10 +79,66 @@ class PolicyModule(nn.Module):
         h = hidden[:, prompt_len - 1 : t - 1].reshape(b * r, -1)
         targets = input_ids[:, prompt_len:].reshape(b * r)
         lp, ent = logprobs_and_entropy(h, self.lm.lm_head.weight, targets, temperature, self.logprob_chunk)
-        return ModelOutputs(logprobs=lp.view(b, r), entropy=ent.view(b, r))
+        # Not views of the flat tensors: FSDP2 hooks module outputs and warns about views.
+        return ModelOutputs(logprobs=lp.reshape(b, r).clone(), entropy=ent.reshape(b, r).clone())
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(self.lm.model.layers)
 
     def hf_model(self) -> nn.Module:
         return self.lm
+
+
+class ValueModule(nn.Module):
+    """A critic: the policy's transformer body with a scalar head; forward returns ``values [b, R]``.
+
+    ``values[:, j]`` is V(s_j), the value of the state *before* response token j is generated
+    (hidden state at position P - 1 + j), the same alignment as the log-probs.
+    """
+
+    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.body = body
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: float = 1.0
+    ) -> ModelOutputs:
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        t = input_ids.shape[1]
+        h = hidden[:, prompt_len - 1 : t - 1]
+        return ModelOutputs(values=self.value_head(h).squeeze(-1).float())
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.body.layers)
+
+
+class RewardModule(nn.Module):
+    """A reward model: an HF ``*ForSequenceClassification`` with one label; forward returns
+    ``scores [b]``, the head's output at each row's last real token (prompt + response)."""
+
+    def __init__(self, cls_model: nn.Module) -> None:
+        super().__init__()
+        self.rm = cls_model
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: float = 1.0
+    ) -> ModelOutputs:
+        hidden = self.rm.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        # right-padded responses: the last real token is the last position with attention 1
+        idx = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = torch.where(attention_mask > 0, idx, torch.zeros_like(idx)).max(-1).values
+        h = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]
+        return ModelOutputs(scores=self.rm.score(h).squeeze(-1).float())
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.rm.model.layers)
+
+    def hf_model(self) -> nn.Module:
+        return self.rm

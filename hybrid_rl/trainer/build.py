@@ -50,22 +50,23 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def sft_cache_key(sft_cfg: Any) -> str:
-    """Hash of what determines the SFT warm start (model, data, actor, steps, seed)."""
-    parts = {k: OmegaConf.to_container(sft_cfg[k], resolve=True) for k in ("model", "data", "actor")}
-    parts["trainer"] = {k: sft_cfg.trainer[k] for k in ("total_steps", "seed", "sft_epochs")}
+def recipe_cache_key(recipe_cfg: Any) -> str:
+    """Hash of what determines a built model (model, data, actor, agent, preference, steps, seed)."""
+    parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in ("model", "data", "actor", "preference")}
+    parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
+    parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def compose_sft_config(preset: str) -> Any:
-    """The ``sft_math`` recipe's config (composed with Hydra, as the command line would)."""
+def compose_recipe(recipe: str, preset: str) -> Any:
+    """A recipe's config, composed with Hydra as the command line would."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = ["+recipe=sft_math", f"model.preset={preset}", "model.path=builtin:tiny"]
+    overrides = [f"+recipe={recipe}", f"model.preset={preset}"]
     if GlobalHydra.instance().is_initialized():
         return compose(config_name="config", overrides=overrides)
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
 
@@ -73,29 +74,43 @@ def conf_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "conf"
 
 
-def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
-    """A local folder for ``model.path``, building the project's own model on first use."""
+def resolve_builtin(path: str, cfg: Any, ctx: DistContext) -> str:
+    """A builtin model: ``builtin:tiny`` (random init) or one a recipe builds on first use and caches:
+    ``builtin:tiny-sft`` (``model.sft_recipe``) and ``builtin:tiny-rm`` (``rm_math``)."""
     from hybrid_rl.env import cache_root
     from hybrid_rl.models.tiny import tiny_model_path
 
-    path = cfg.model.path
+    preset = cfg.model.preset
     if path == "builtin:tiny":
         if ctx.is_main:
-            tiny_model_path(cfg.model.preset)
+            tiny_model_path(preset)
         barrier()
-        return str(tiny_model_path(cfg.model.preset))
-    if path == "builtin:tiny-sft":
-        sft_cfg = compose_sft_config(cfg.model.preset)
-        out = cache_root() / "models" / f"{cfg.model.preset}-sft-{sft_cache_key(sft_cfg)}"
-        if not (out / "model.safetensors").exists():
-            log.info("building the SFT warm start (once, cached at %s)", out)
+        return str(tiny_model_path(preset))
+    recipes = {"builtin:tiny-sft": cfg.model.sft_recipe, "builtin:tiny-rm": "rm_math"}
+    if path not in recipes:
+        raise ModelPathError(f"model path {path!r}: unknown builtin; known: builtin:tiny, {', '.join(recipes)}")
+    recipe = recipes[path]
+    recipe_cfg = compose_recipe(recipe, preset)
+    out = cache_root() / "models" / f"{preset}-{recipe}-{recipe_cache_key(recipe_cfg)}"
+    if not (out / "model.safetensors").exists():
+        log.info("building %s with the %s recipe (once; cached at %s)", path, recipe, out)
+        if recipe_cfg.trainer.task == "rm":
+            from hybrid_rl.trainer.preference import run_rm
+
+            run_rm(recipe_cfg, ctx, export_dir=str(out))
+        else:
             from hybrid_rl.trainer.sft import run_sft
 
-            run_sft(sft_cfg, ctx, export_dir=str(out))
-        barrier()
-        return str(out)
+            run_sft(recipe_cfg, ctx, export_dir=str(out))
+    barrier()
+    return str(out)
+
+
+def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
+    """A local folder for ``model.path``, building the project's own model on first use."""
+    path = cfg.model.path
     if path.startswith("builtin:"):
-        raise ModelPathError(f"model.path={path!r}: unknown builtin; known: builtin:tiny, builtin:tiny-sft")
+        return resolve_builtin(path, cfg, ctx)
     check_model_dir(path)
     return str(broadcast_object(path))
 
@@ -119,3 +134,29 @@ def check_lengths(cfg: Any, model_path: str, extra: int = 0) -> int:
             f"max_position_embeddings={limit} ({model_path})"
         )
     return need
+
+
+def repo_path(path: str) -> str:
+    """A relative path as given if it exists from the working directory, else from the repository root."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return str(p)
+    candidate = Path(__file__).resolve().parents[2] / p
+    return str(candidate if candidate.exists() else p)
+
+
+def build_tools(cfg: Any) -> tuple[list, list[dict] | None]:
+    """The agent's tools and their JSON schemas (for the chat template), or ([], None) when off."""
+    if not cfg.rollout.agent.enable:
+        return [], None
+    from hybrid_rl.rollout.tools import load_tools
+
+    tools = load_tools(repo_path(cfg.rollout.agent.tool_config))
+    return tools, [t.schema for t in tools]
+
+
+def max_model_len(cfg: Any, model_path: str) -> int:
+    """Prompt + response budget (a multi-turn response may be longer than one turn)."""
+    ag = cfg.rollout.agent
+    extra = ag.max_response_tokens - cfg.rollout.max_response_length if ag.enable else 0
+    return check_lengths(cfg, model_path, extra)

@@ -10,6 +10,7 @@ gathered global batch so batch-level statistics (REINFORCE++ whitening) are glob
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 import time
@@ -20,9 +21,9 @@ import torch
 from omegaconf import OmegaConf
 
 from hybrid_rl.algorithms.advantages import AdvantageInputs
-from hybrid_rl.algorithms.filters import informative_groups
+from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty
 from hybrid_rl.algorithms.kl import kl_estimate, kl_in_reward, make_kl_controller
-from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, masked_mean
+from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, make_critic_loss, masked_mean
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, TrainBatch, collate
 from hybrid_rl.config import validate
@@ -35,19 +36,34 @@ from hybrid_rl.dist import (
     barrier,
     gather_rows,
     mean_over_ranks,
+    raise_if_any_failed,
 )
-from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype
+from hybrid_rl.engine.fsdp import build_policy_engine, build_value_engine, to_dtype
+from hybrid_rl.faults import maybe_fail
 from hybrid_rl.hybrid.switch import HybridSwitch, SwitchReport
-from hybrid_rl.rewards.pool import RewardPool
+from hybrid_rl.rewards.pool import RewardFailure, RewardPool
+from hybrid_rl.rollout.agent import AgentLoop, AgentSettings
 from hybrid_rl.rollout.base import SamplingSpec
 from hybrid_rl.rollout.sampler import sample_groups
+from hybrid_rl.rollout.tools import get_parser
 from hybrid_rl.timing import PhaseTimer
 from hybrid_rl.trainer import checkpoint as ckpt
-from hybrid_rl.trainer.build import build_rollout_engine, check_lengths, load_tokenizer, resolve_model_path
+from hybrid_rl.trainer.build import (
+    build_rollout_engine,
+    build_tools,
+    load_tokenizer,
+    max_model_len,
+    resolve_builtin,
+    resolve_model_path,
+)
 from hybrid_rl.trainer.logger import MetricsLogger
-from hybrid_rl.trainer.validation import evaluate
+from hybrid_rl.trainer.validation import evaluate, single_turn_sampler
 
 log = logging.getLogger("hybrid_rl")
+
+
+class NumericalError(RuntimeError):
+    """Training cannot continue: repeated non-finite losses/gradients, or non-finite weights."""
 
 
 class AppState:
@@ -74,11 +90,14 @@ class RLTrainer:
         self.model_path = resolve_model_path(cfg, ctx)
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
         check_chat_template(self.tokenizer, self.model_path)
-        max_len = check_lengths(cfg, self.model_path)
+        max_len = max_model_len(cfg, self.model_path)
+        self.tools, schemas = build_tools(cfg)
         d = cfg.data
-        self.train_records, self.train_report = load_prompts(resolve_files(d.train_files, "train", d.synth), self.tokenizer, d)
+        self.train_records, self.train_report = load_prompts(
+            resolve_files(d.train_files, "train", d.synth), self.tokenizer, d, tools=schemas
+        )
         self.val_records, self.val_report = load_prompts(
-            resolve_files(d.val_files, "val", d.synth), self.tokenizer, d, d.val_size
+            resolve_files(d.val_files, "val", d.synth), self.tokenizer, d, d.val_size, tools=schemas
         )
         self.sampler = PromptSampler(len(self.train_records), d.train_batch_size, d.seed, d.shuffle)
         self.actor = build_policy_engine(self.model_path, cfg.model, cfg.actor, ctx, self._optimizer_steps(), trainable=True)
@@ -86,6 +105,10 @@ class RLTrainer:
         self.ref = None
         if a.use_kl_loss or a.use_kl_in_reward:
             self.ref = build_policy_engine(self.model_path, cfg.model, cfg.actor, ctx, 1, trainable=False)
+        self.critic = None
+        if cfg.critic.enable:
+            self.critic = build_value_engine(self.model_path, cfg.model, cfg.critic, cfg.actor, ctx, self._optimizer_steps())
+            self.critic_loss_fn = make_critic_loss(cfg.critic)
         self.rollout_engine = build_rollout_engine(self.model_path, cfg, ctx, max_len, cfg.trainer.seed)
         self.switch = HybridSwitch(
             self.actor,
@@ -96,6 +119,24 @@ class RLTrainer:
             device=ctx.device,
         )
         self.reward_pool = RewardPool(cfg.reward)
+        # Held-out accuracy is always the verifier's, whatever the training reward is.
+        self.val_pool = (
+            self.reward_pool
+            if any(f.name == "math" for f in cfg.reward.functions)
+            else RewardPool(
+                OmegaConf.merge(cfg.reward, {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}})
+            )
+        )
+        self.reward_model = None
+        if cfg.reward.reward_model.path:
+            from hybrid_rl.trainer.preference import build_reward_engine
+
+            rm_path = (
+                resolve_builtin(cfg.reward.reward_model.path, cfg, ctx)
+                if cfg.reward.reward_model.path.startswith("builtin:")
+                else cfg.reward.reward_model.path
+            )
+            self.reward_model = build_reward_engine(rm_path, cfg, ctx, 1, trainable=False)
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
@@ -104,7 +145,18 @@ class RLTrainer:
         self.logger = MetricsLogger(
             cfg.logger, self.out_dir, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.total_steps, ctx.is_main
         )
+        self._record_scheduler_job()
         self._maybe_resume()
+
+    def _record_scheduler_job(self) -> None:
+        """Append the Slurm job id (and restart count) to <output_dir>/slurm_jobs.txt."""
+        if self.ctx.is_main and "SLURM_JOB_ID" in os.environ:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with (self.out_dir / "slurm_jobs.txt").open("a") as fh:
+                fh.write(
+                    f"{os.environ['SLURM_JOB_ID']} restart={os.environ.get('SLURM_RESTART_COUNT', '0')} "
+                    f"time={time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+                )
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:
@@ -136,16 +188,19 @@ class RLTrainer:
             with timer.phase("switch_to_train"):
                 m.update(self.switch_metrics(self.switch.to_train()))
             if rollout.samples:
-                batch = collate(rollout.samples, self.tokenizer.pad_token_id, rollout.weights_version)
+                batch = self.make_batch(rollout)
                 with timer.phase("logprobs"):
                     m.update(self.compute_logprobs(batch))
                 with timer.phase("advantage"):
                     m.update(self.compute_advantages(batch))
                 with timer.phase("update"):
+                    maybe_fail("update", self.step_idx + 1, self.ctx.rank)
                     m.update(self.update_policy(batch))
                 m.update(self.throughput(rollout, batch, timer))
             else:  # dynamic sampling kept nothing: every group's answers scored the same
                 m["dapo/skipped_updates"] = 1.0
+            self.check_numerics()
+            maybe_fail("switch", self.step_idx + 1, self.ctx.rank)
             with timer.phase("switch_to_rollout"):
                 m.update(self.switch_metrics(self.switch.to_rollout()))
         self.step_idx += 1
@@ -155,33 +210,115 @@ class RLTrainer:
         return self.reduce_metrics(m)
 
     # ================================================================ phases
+    # With vLLM tensor parallelism (rollout.tensor_parallel_size = tp > 1, CUDA) the tp ranks of a
+    # group drive one engine and must feed it identical requests: prompts are split over the
+    # world_size / tp data-parallel groups, and each rank then trains on its 1/tp of the samples.
+    @property
+    def tp(self) -> int:
+        return self.cfg.rollout.tensor_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.world_size // self.tp
+
     def next_prompts(self) -> list[Any]:
         idx = self.sampler.next_batch()
-        per = len(idx) // self.ctx.world_size
-        return [self.train_records[i] for i in idx[self.ctx.rank * per : (self.ctx.rank + 1) * per]]
+        per = len(idx) // self.dp_size
+        return [self.train_records[i] for i in idx[self.dp_rank * per : (self.dp_rank + 1) * per]]
 
     def sampling_spec(self, n: int | None = None) -> SamplingSpec:
         r = self.cfg.rollout
         # Per-request seeds make rollouts a function of (weights, step, rank): resumable exactly.
-        seed = self.cfg.trainer.seed * 1_000_003 + self.step_idx * 1009 + self.ctx.rank
+        seed = self.cfg.trainer.seed * 1_000_003 + self.step_idx * 1009 + self.dp_rank
         return SamplingSpec(
             n=n or r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seed=seed
         )
 
     def generate(self, prompts: list[Any], round_idx: int = 0) -> Rollout:
-        offset = (round_idx * self.ctx.world_size + self.ctx.rank) * len(prompts)
+        offset = (round_idx * self.dp_size + self.dp_rank) * len(prompts)
         spec = self.sampling_spec()
         spec.seed = spec.seed + 7919 * round_idx
-        return sample_groups(self.rollout_engine, prompts, offset, spec, self.switch.weights_version)
+        if self.cfg.rollout.agent.enable:
+            rollout = self.agent_loop().run(prompts, spec, offset, self.switch.weights_version)
+        else:
+            rollout = sample_groups(self.rollout_engine, prompts, offset, spec, self.switch.weights_version)
+        if self.cfg.algorithm.greedy_baseline:
+            self.add_greedy_baseline(prompts, rollout)
+        if self.tp > 1:
+            rollout.samples = rollout.samples[self.ctx.rank % self.tp :: self.tp]
+        return rollout
+
+    def agent_loop(self) -> AgentLoop:
+        ag = self.cfg.rollout.agent
+        settings = AgentSettings(
+            max_turns=ag.max_turns,
+            max_response_tokens=ag.max_response_tokens,
+            tool_response_max_tokens=ag.tool_response_max_tokens,
+            tool_response_keep=ag.tool_response_keep,
+            scheduling=ag.scheduling,
+        )
+        return AgentLoop(self.rollout_engine, self.tools, self.tokenizer, settings, get_parser(ag.parser))
+
+    def val_sampler(self):
+        """Validation episodes: one generate call, or full multi-turn episodes with the agent loop."""
+        if not self.cfg.rollout.agent.enable:
+            return single_turn_sampler(self.rollout_engine, self.tokenizer)
+
+        def sample(records: list[Any], spec: SamplingSpec) -> tuple[list[list[str]], dict[str, float]]:
+            out = self.agent_loop().run(records, spec, 0, self.switch.weights_version)
+            texts = [
+                self.tokenizer.decode(
+                    [t for t, m in zip(s.response_ids, s.response_mask, strict=True) if m], skip_special_tokens=True
+                )
+                for s in out.samples
+            ]
+            per = spec.n
+            grouped = [texts[i * per : (i + 1) * per] for i in range(len(records))]
+            n = len(out.samples)
+            stats = {
+                k.split("/", 1)[1]: v * n / per
+                for k, v in out.stats.items()
+                if k in ("agent/turns_mean", "agent/tool_call_rate", "agent/tool_calls_mean")
+            }
+            return grouped, stats
+
+        return sample
+
+    def add_greedy_baseline(self, prompts: list[Any], rollout: Rollout) -> None:
+        """ReMax: score the greedy answer to each prompt; it is the baseline of that prompt's samples."""
+        greedy = sample_groups(
+            self.rollout_engine,
+            prompts,
+            0,
+            SamplingSpec(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_response_length),
+            self.switch.weights_version,
+        )
+        self.score(greedy)
+        per_prompt = len(rollout.samples) // len(prompts)
+        for i, s in enumerate(rollout.samples):
+            s.baseline_score = greedy.samples[i // per_prompt].score
+        rollout.stats["rollout/greedy_baseline_mean"] = sum(g.score for g in greedy.samples) / len(greedy.samples)
 
     def collect_rollout(self, timer: PhaseTimer, m: dict[str, float]) -> Rollout:
         """Generate and score; with ``algorithm.filter_groups`` keep drawing batches until enough
         informative groups are collected (DAPO dynamic sampling), then deal them out to ranks."""
         a = self.cfg.algorithm
-        with timer.phase("generate"):
-            rollout = self.generate(self.next_prompts())
-        with timer.phase("reward"):
-            m.update(self.score(rollout))
+        error, rollout = None, None
+        try:
+            with timer.phase("generate"):
+                maybe_fail("generate", self.step_idx + 1, self.ctx.rank)
+                rollout = self.generate(self.next_prompts())
+            with timer.phase("reward"):
+                m.update(self.score(rollout))
+        except RewardFailure:
+            raise
+        except Exception as e:
+            error = e
+        raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
         if not a.filter_groups:
             return rollout
         target = self.cfg.data.train_batch_size * self.cfg.rollout.n
@@ -215,17 +352,29 @@ class RLTrainer:
 
     def score(self, rollout: Rollout) -> dict[str, float]:
         samples = rollout.samples
-        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        # Only what the model wrote is scored: tool output must not answer for it.
+        texts = self.tokenizer.batch_decode(
+            [[t for t, m in zip(s.response_ids, s.response_mask, strict=True) if m] for s in samples], skip_special_tokens=True
+        )
         items = [
             (s.data_source, t, s.ground_truth, {**s.extra_info, "finish_reason": s.finish_reason})
             for s, t in zip(samples, texts, strict=True)
         ]
         results = self.reward_pool.score(items)
-        for s, r in zip(samples, results, strict=True):
-            s.score, s.reward_extra = r.score, {**r.components, **r.extra}
+        a = self.cfg.algorithm
+        penalty = overlong_penalty(
+            torch.tensor([len(s.response_ids) for s in samples]),
+            self.cfg.rollout.max_response_length,
+            a.overlong_buffer,
+            a.overlong_penalty_factor,
+        )
+        learned = self.score_with_reward_model(samples)
+        for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):
+            s.score, s.reward_extra = r.score + p + lr, {**r.components, **r.extra}
         self.reward_pool.check_failures(results)
-        scores = torch.tensor([r.score for r in results])
+        scores = torch.tensor([s.score for s in samples])
         m = {
+            "reward/overlong_penalty": float(penalty.mean()),
             "reward/mean": float(scores.mean()),
             "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
             "reward/failed": float(sum(r.failed > 0 for r in results)),
@@ -233,13 +382,32 @@ class RLTrainer:
         }
         for name in results[0].components:
             m[f"reward/{name}"] = sum(r.components[name] for r in results) / len(results)
+        if self.reward_model is not None:
+            m["reward/reward_model"] = float(learned.mean())
         return m
+
+    def score_with_reward_model(self, samples: list) -> torch.Tensor:
+        """The learned reward model's score for each (prompt, response), on the training devices
+        (weighted by reward.reward_model.weight); zeros when there is none."""
+        if self.reward_model is None:
+            return torch.zeros(len(samples))
+        batch = collate(samples, self.tokenizer.pad_token_id)
+        return self.reward_model.forward_outputs(batch).scores * self.cfg.reward.reward_model.weight
+
+    def make_batch(self, rollout: Rollout) -> TrainBatch:
+        batch = collate(rollout.samples, self.tokenizer.pad_token_id, rollout.weights_version)
+        if self.cfg.algorithm.mask_truncated:  # DAPO overlong filtering: cut-off answers teach nothing
+            cut = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
+            batch.response_mask[cut] = 0.0
+        return batch
 
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, float]:
         """Old log-probs from the actor (and reference log-probs) at the sampling temperature."""
         temp = self.cfg.rollout.temperature
         out = self.actor.forward_outputs(batch, temp)
         batch.old_logprobs = out.logprobs
+        if self.critic is not None:
+            batch.values = self.critic.forward_outputs(batch).values
         m = {"actor/entropy_old": float(masked_mean(out.entropy, batch.response_mask))}
         if self.ref is not None:
             batch.ref_logprobs = self.ref.forward_logprobs(batch, temp)
@@ -260,10 +428,13 @@ class RLTrainer:
         fields = {"token_rewards": batch.token_rewards, "response_mask": batch.response_mask, "group_ids": batch.group_ids}
         if batch.values is not None:
             fields["values"] = batch.values
+        if a.greedy_baseline:
+            fields["baseline_scores"] = batch.baseline_scores
         glob, mine = gather_rows(fields)
-        adv, returns = self.adv_fn(
-            AdvantageInputs(glob["token_rewards"], glob["response_mask"], glob["group_ids"], glob.get("values")), a
+        inputs = AdvantageInputs(
+            glob["token_rewards"], glob["response_mask"], glob["group_ids"], glob.get("values"), glob.get("baseline_scores")
         )
+        adv, returns = self.adv_fn(inputs, a)
         width = batch.response_mask.shape[1]
         batch.advantages = adv[mine, :width].contiguous()
         batch.returns = returns[mine, :width].contiguous()
@@ -293,7 +464,13 @@ class RLTrainer:
                 mb.loss_weights = agg_weights(
                     mb.response_mask, a.loss_agg_mode, n_tok, n_seq, self.cfg.rollout.max_response_length
                 )
-                for k, v in self.actor.train_batch(mb, self.loss_fn, self.cfg.rollout.temperature).items():
+                metrics = {}
+                if self.critic is not None:
+                    metrics.update(self.critic.train_batch(mb, self.critic_loss_fn))
+                    metrics = {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
+                if self.critic is None or self.step_idx >= self.cfg.critic.warmup_steps:
+                    metrics.update(self.actor.train_batch(mb, self.loss_fn, self.cfg.rollout.temperature))
+                for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n += 1
         out = {k: v / n for k, v in sums.items()}
@@ -335,21 +512,28 @@ class RLTrainer:
         r = self.cfg.rollout
         start = time.perf_counter()
         out = evaluate(
-            self.rollout_engine,
+            self.val_sampler(),
             self.val_records,
-            self.reward_pool,
-            self.tokenizer,
+            self.val_pool,
             self.ctx,
             r.max_response_length,
             r.val_pass_k,
             r.temperature,
             self.cfg.trainer.seed,
-            self.cfg.reward.functions[0].name,
+            "math",
+            shard=(self.dp_rank, self.dp_size),
+            count=self.ctx.rank % self.tp == 0,
         )
         out["timing/validate"] = time.perf_counter() - start
         return out
 
     # ================================================================ checkpoints
+    def app_states(self) -> dict[str, AppState]:
+        states = {"app": AppState(self.actor)}
+        if self.critic is not None:
+            states["critic"] = AppState(self.critic)
+        return states
+
     def trainer_state(self) -> dict[str, Any]:
         return {
             "step": self.step_idx,
@@ -359,13 +543,18 @@ class RLTrainer:
             "reward_failed_steps": self.reward_pool.failed_steps,
             "rng_torch": torch.get_rng_state(),
             "rng_python": random.getstate(),
+            "actor_engine": self.actor.extra_state(),
+            "critic_engine": self.critic.extra_state() if self.critic is not None else None,
         }
 
     def save(self) -> Path:
+        if not self.actor.params_finite():
+            raise NumericalError(f"step {self.step_idx}: the policy has non-finite parameters; refusing to write a checkpoint")
+        maybe_fail("save", self.step_idx, self.ctx.rank)
         path = ckpt.save_checkpoint(
             self.out_dir / "checkpoints",
             self.step_idx,
-            {"app": AppState(self.actor)},
+            self.app_states(),
             self.trainer_state(),
             self.cfg.trainer.keep_last,
             self.ctx.rank,
@@ -382,19 +571,32 @@ class RLTrainer:
         path = ckpt.latest_checkpoint(self.out_dir / "checkpoints") if mode == "auto" else Path(mode)
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, {"app": AppState(self.actor)}, self.ctx.rank)
+        state = ckpt.load_checkpoint(path, self.app_states(), self.ctx.rank)
         self.step_idx = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self.reward_pool.failed_steps = int(state["reward_failed_steps"])
         torch.set_rng_state(state["rng_torch"])
         random.setstate(state["rng_python"])
+        self.actor.load_extra_state(state["actor_engine"])
+        if self.critic is not None and state.get("critic_engine") is not None:
+            self.critic.load_extra_state(state["critic_engine"])
         # The engine was built from the initial weights: push the resumed ones.
         self.switch.weights_version = int(state["weights_version"]) - 1
         self.switch.to_rollout()
         barrier()
         if self.ctx.is_main:
             log.info("resumed from %s at step %d", path, self.step_idx)
+
+    def check_numerics(self) -> None:
+        """Abort after ``trainer.max_bad_steps`` consecutive non-finite updates (each was skipped)."""
+        bad = self.actor.consecutive_bad_steps
+        if bad >= self.cfg.trainer.max_bad_steps:
+            raise NumericalError(
+                f"{bad} consecutive updates had a non-finite loss or gradient norm (trainer.max_bad_steps="
+                f"{self.cfg.trainer.max_bad_steps}); each was skipped, the weights are unchanged since step "
+                f"{self.step_idx + 1 - bad}. Lower actor.lr, check the reward scale, or use a smaller clip."
+            )
 
     def _stop_agreed(self) -> bool:
         """A signal may reach one rank only; all ranks stop together."""
@@ -418,5 +620,7 @@ class RLTrainer:
 
     def close(self) -> None:
         self.reward_pool.close()
+        if self.val_pool is not self.reward_pool:
+            self.val_pool.close()
         barrier()
         self.rollout_engine.shutdown()

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hybrid_rl.dist import DistContext, all_reduce_sum
 from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec
+
+# (records, spec) -> (texts per record, extra summed stats)
+SampleFn = Callable[[list[Any], SamplingSpec], tuple[list[list[str]], dict[str, float]]]
+
+
+def single_turn_sampler(engine: RolloutEngine, tokenizer: Any) -> SampleFn:
+    def sample(records: list[Any], spec: SamplingSpec) -> tuple[list[list[str]], dict[str, float]]:
+        out = engine.generate([r.prompt_ids for r in records], spec)
+        texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g.completions] for g in out]
+        length = sum(len(c.token_ids) for g in out for c in g.completions)
+        return texts, {"response_length": float(length)}
+
+    return sample
 
 
 def score_texts(pool: Any, records: list[Any], texts: list[list[str]]) -> list[list[Any]]:
@@ -23,46 +37,47 @@ def correct(scored: Any, accuracy_fn: str) -> bool:
 
 
 def evaluate(
-    engine: RolloutEngine,
+    sample: SampleFn,
     records: list[Any],
     pool: Any,
-    tokenizer: Any,
     ctx: DistContext,
     max_tokens: int,
     pass_k: int = 0,
     temperature: float = 1.0,
     seed: int = 0,
     accuracy_fn: str = "math",
+    shard: tuple[int, int] | None = None,
+    count: bool = True,
 ) -> dict[str, float]:
-    """``val/accuracy`` (greedy), ``val/score``, and with ``pass_k`` > 0 ``val/pass@k`` and ``val/mean@k``.
+    """``val/accuracy`` (greedy), ``val/score``, with ``pass_k`` > 0 ``val/pass@k`` and ``val/mean@k``,
+    and any per-sample stats the sampler reports (``val/<stat>``, greedy, averaged per prompt).
 
-    Each rank evaluates records ``rank::world``; counts are summed over ranks.
+    Each rank evaluates records ``shard_rank::shard_size`` (default: its rank over the world);
+    counts are summed over the ranks with ``count`` set (one per tensor-parallel group).
     """
-    mine = records[ctx.rank :: ctx.world_size]
-    sums = [0.0] * 6  # n, correct, score, length, passk_hits, meank_correct
+    shard_rank, shard_size = shard or (ctx.rank, ctx.world_size)
+    mine = records[shard_rank::shard_size]
+    base = ["n", "hits", "score", "passk", "meank"]
+    sums = dict.fromkeys(base, 0.0)
+    extra: dict[str, float] = {}
     if mine:
-        greedy = engine.generate(
-            [r.prompt_ids for r in mine], SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, seed=seed)
-        )
-        texts = [[tokenizer.decode(g.completions[0].token_ids, skip_special_tokens=True)] for g in greedy]
+        texts, extra = sample(mine, SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, seed=seed))
         scored = score_texts(pool, mine, texts)
-        sums[0] = len(mine)
-        sums[1] = sum(correct(s[0], accuracy_fn) for s in scored)
-        sums[2] = sum(s[0].score for s in scored)
-        sums[3] = sum(len(g.completions[0].token_ids) for g in greedy)
+        sums["n"] = len(mine)
+        sums["hits"] = sum(correct(s[0], accuracy_fn) for s in scored)
+        sums["score"] = sum(s[0].score for s in scored)
         if pass_k > 0:
-            sampled = engine.generate(
-                [r.prompt_ids for r in mine],
-                SamplingSpec(n=pass_k, temperature=temperature, max_tokens=max_tokens, seed=seed + 1),
-            )
-            texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g.completions] for g in sampled]
-            scored_k = score_texts(pool, mine, texts)
-            sums[4] = sum(any(correct(s, accuracy_fn) for s in group) for group in scored_k)
-            sums[5] = sum(sum(correct(s, accuracy_fn) for s in group) / pass_k for group in scored_k)
-    n, hits, score, length, passk, meank = all_reduce_sum(sums)
-    n = max(n, 1.0)
-    out = {"val/accuracy": hits / n, "val/score": score / n, "val/response_length": length / n, "val/n": n}
+            texts_k, _ = sample(mine, SamplingSpec(n=pass_k, temperature=temperature, max_tokens=max_tokens, seed=seed + 1))
+            scored_k = score_texts(pool, mine, texts_k)
+            sums["passk"] = sum(any(correct(s, accuracy_fn) for s in group) for group in scored_k)
+            sums["meank"] = sum(sum(correct(s, accuracy_fn) for s in group) / pass_k for group in scored_k)
+    keys = base + sorted(extra)
+    # Every rank must pass the same keys: the sampler reports the same stats on every rank.
+    totals = dict(zip(keys, all_reduce_sum([(sums | extra).get(k, 0.0) if count else 0.0 for k in keys]), strict=True))
+    n = max(totals["n"], 1.0)
+    out = {"val/accuracy": totals["hits"] / n, "val/score": totals["score"] / n, "val/n": totals["n"]}
+    out.update({f"val/{k}": totals[k] / n for k in sorted(extra)})
     if pass_k > 0:
-        out[f"val/pass@{pass_k}"] = passk / n
-        out[f"val/mean@{pass_k}"] = meank / n
+        out[f"val/pass@{pass_k}"] = totals["passk"] / n
+        out[f"val/mean@{pass_k}"] = totals["meank"] / n
     return out

@@ -151,3 +151,31 @@ def test_informative_groups_drops_equal_reward_groups():
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     assert informative_groups(scores, groups).tolist() == [False, False, True, True, False, False, False, False]
+
+
+def test_gfpo_keeps_shortest_and_uses_kept_stats():
+    from hybrid_rl.algorithms.advantages import gfpo_keep_mask
+
+    # one group of 4: lengths 3,1,2,4 and scores 1,0,1,1; keep 2 shortest -> samples 1 (0) and 2 (1)
+    scores = [1.0, 0.0, 1.0, 1.0]
+    inp = inputs(scores, [0, 0, 0, 0], [3, 1, 2, 4])
+    keep = gfpo_keep_mask(torch.tensor(scores), inp.response_mask.sum(-1), inp.group_ids, 2, "length")
+    assert keep.tolist() == [False, True, True, False]
+    adv, _ = ADV_ESTIMATORS["gfpo"](inp, SimpleNamespace(gfpo_keep=2, gfpo_metric="length", norm_adv_by_std=True))
+    s = 0.5 / (2**0.5 / 2 + 1e-6)  # kept scores 0, 1: mean .5, unbiased std .7071
+    assert adv[1, 0].item() == pytest.approx(-s, abs=1e-5)
+    assert adv[2, 0].item() == pytest.approx(s, abs=1e-5)
+    assert adv[0].abs().sum() == 0 and adv[3].abs().sum() == 0
+    # reward per token: 1/3, 0, 1/2, 1/4 -> keep samples 2 and 0
+    keep = gfpo_keep_mask(torch.tensor(scores), inp.response_mask.sum(-1), inp.group_ids, 2, "reward_per_token")
+    assert keep.tolist() == [True, False, True, False]
+
+
+def test_overlong_penalty_matches_dapo_formula():
+    from hybrid_rl.algorithms.filters import overlong_penalty
+
+    lengths = torch.tensor([10, 16, 18, 20, 21])
+    # max 20, buffer 4: no penalty up to 16, linear to -1 at 20, -1 beyond
+    pen = overlong_penalty(lengths, max_len=20, buffer=4, factor=1.0)
+    torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+    assert overlong_penalty(lengths, 20, 0).abs().sum() == 0

@@ -47,6 +47,8 @@ def test_group_files_agree_with_schema_defaults():
         ("rollout", c.RolloutConfig),
         ("actor", c.ActorConfig),
         ("algorithm", c.AlgorithmConfig),
+        ("critic", c.CriticConfig),
+        ("preference", c.PreferenceConfig),
         ("reward", c.RewardConfig),
         ("trainer", c.TrainerConfig),
         ("logger", c.LoggerConfig),

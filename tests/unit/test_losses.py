@@ -175,3 +175,38 @@ def test_actor_loss_composes_pg_entropy_and_kl():
     expected = ((-1 - 0.2 + 0.25) + (-1 - 0.4 - 0.25)) / 2
     assert loss.item() == pytest.approx(expected)
     assert m["actor/entropy"].item() == pytest.approx(3.0)
+
+
+def test_clipped_value_loss_hand_computed():
+    from hybrid_rl.algorithms.losses import clipped_value_loss
+
+    v = torch.tensor([1.0, 0.0])
+    old = torch.tensor([0.0, 0.0])
+    ret = torch.tensor([2.0, 1.0])
+    # t0: err (1-2)^2 = 1; clipped v = 0 + clip(1, -.5, .5) = .5 -> (.5-2)^2 = 2.25 -> .5*2.25
+    # t1: err 1; clipped = 0 -> 1 -> .5
+    torch.testing.assert_close(clipped_value_loss(v, old, ret, 0.5), torch.tensor([1.125, 0.5]))
+    torch.testing.assert_close(clipped_value_loss(v, old, ret, None), torch.tensor([0.5, 0.5]))
+
+
+def test_dpo_loss_hand_computed():
+    from hybrid_rl.algorithms.preference import dpo_loss
+
+    loss, rc, rr = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5)
+    # margin = .5*(1) - .5*(-1) = 1 -> -log sigmoid(1)
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-1))))
+    assert rc.item() == pytest.approx(0.5) and rr.item() == pytest.approx(-0.5)
+
+
+def test_rm_losses_hand_computed():
+    from hybrid_rl.algorithms.preference import listwise_rm_loss, margin_rm_loss, pairwise_rm_loss
+
+    assert pairwise_rm_loss(torch.tensor([2.0]), torch.tensor([0.0])).item() == pytest.approx(math.log(1 + math.exp(-2)))
+    torch.testing.assert_close(margin_rm_loss(torch.tensor([2.0, 0.5]), torch.tensor([0.0, 0.0]), 1.0), torch.tensor([0.0, 0.5]))
+    scores = torch.tensor([[1.0, 0.0, -1.0]])
+    ranks = torch.tensor([[0, 1, 2]])
+    p = torch.softmax(torch.tensor([0.0, -1.0, -2.0]), -1)
+    logq = torch.log_softmax(scores[0], -1)
+    assert listwise_rm_loss(scores, ranks).item() == pytest.approx(-(p * logq).sum().item(), abs=1e-6)
+    # a perfectly ordered list scores lower loss than the reversed one
+    assert listwise_rm_loss(scores, ranks) < listwise_rm_loss(-scores, ranks)

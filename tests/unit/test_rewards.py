@@ -66,7 +66,7 @@ def test_custom_loader_errors_name_file_and_function(tmp_path):
         load_custom(str(f), "missing")
     with pytest.raises(FileNotFoundError, match="nope.py"):
         load_custom(str(tmp_path / "nope.py"), "f")
-    with pytest.raises(KeyError, match="known: format, math"):
+    with pytest.raises(KeyError, match="known: code, format, math"):
         resolve("mathh")
 
 

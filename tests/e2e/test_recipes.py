@@ -1,0 +1,104 @@
+"""Every RL recipe composes and runs a few steps on CPU through the main entry point."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+LENGTH_REWARD = ROOT / "tests" / "e2e" / "length_reward.py"
+FAST = [
+    "model.path=builtin:tiny",
+    "trainer.nproc_per_node=1",
+    "data.train_batch_size=4",
+    "rollout.n=4",
+    "rollout.max_response_length=24",
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    "trainer.export_hf=false",
+    "logger.progress_bar=false",
+    "actor.micro_batch_size=16",
+    # a random-init model gets no math right; a length reward gives the groups some variance
+    f"reward.functions=[{{name: custom, weight: 1.0, path: {LENGTH_REWARD}, function: score}}]",
+]
+RECIPES = {
+    "grpo_math": [],
+    "dapo_math": [],
+    "gspo_math": [],
+    "gfpo_math": ["rollout.n=8", "algorithm.gfpo_keep=4"],
+    "rloo_math": [],
+    "drgrpo_math": [],
+    "reinforce_math": [],
+    "reinforce_pp_math": [],
+    "reinforce_pp_baseline_math": [],
+    "remax_math": [],
+    "ppo_math": ["critic.warmup_steps=1"],
+    "agentic_math_tool": ["rollout.agent.max_response_tokens=64"],
+}
+
+
+def run(out: Path, recipe: str, *extra: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "hybrid_rl.main", f"+recipe={recipe}", *FAST, f"trainer.output_dir={out}", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-6000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_runs(tmp_path, recipe):
+    rows = [r for r in run(tmp_path, recipe, *RECIPES[recipe]) if "weights_version" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    updated = [r for r in rows if "actor/loss" in r or "critic/value_loss" in r]
+    assert updated, "no update ran"
+    for r in updated:
+        for k in ("actor/loss", "actor/grad_norm", "critic/value_loss"):
+            if k in r:
+                assert r[k] == r[k] and abs(r[k]) < 1e6
+    if recipe == "ppo_math":
+        assert "critic/value_loss" in rows[0] and "actor/loss" not in rows[0]  # warm-up: critic only
+        assert "actor/loss" in rows[1]
+    if recipe == "dapo_math":
+        assert "dapo/gen_rounds" in rows[0]
+    if recipe == "remax_math":
+        assert "rollout/greedy_baseline_mean" in rows[0]
+    if recipe == "agentic_math_tool":
+        assert "agent/turns_mean" in rows[0]
+
+
+def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
+    from tests.e2e.test_preference import write_pairs
+
+    write_pairs(tmp_path / "pairs.jsonl", 64, 0)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_rl.main",
+        "+recipe=rm_math",
+        "model.path=builtin:tiny",
+        f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
+        f"data.val_files=[{tmp_path / 'pairs.jsonl'}]",
+        f"trainer.output_dir={tmp_path / 'rm'}",
+        "trainer.total_steps=4",
+        "data.train_batch_size=16",
+        "logger.progress_bar=false",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-5000:]
+    rows = [
+        r
+        for r in run(
+            tmp_path / "ppo",
+            "rlhf_ppo",
+            "reward.functions=[]",
+            f"reward.reward_model.path={tmp_path / 'rm' / 'hf'}",
+            "critic.warmup_steps=0",
+        )
+        if "weights_version" in r
+    ]
+    assert all("reward/reward_model" in r and "reward/kl" in r for r in rows)
+    assert rows[0]["reward/kl_coef"] == pytest.approx(0.01)
+    assert rows[1]["reward/kl_coef"] != rows[0]["reward/kl_coef"]  # the adaptive controller moved it

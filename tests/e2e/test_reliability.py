@@ -1,0 +1,131 @@
+"""Faults on real runs: kill -9 at chosen points, resume, and compare with an uninterrupted run;
+bad inputs that must fail early with a message naming the culprit; a dead rank ends the job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+BASE = [
+    "+recipe=grpo_math",
+    "model.path=builtin:tiny",
+    "data.train_batch_size=4",
+    "rollout.n=4",
+    "rollout.max_response_length=16",
+    "data.val_size=8",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    "trainer.save_every=1",
+    "trainer.keep_last=10",
+    "logger.progress_bar=false",
+    "actor.micro_batch_size=8",
+    "algorithm.filter_groups=false",
+    "trainer.export_hf=false",
+    "actor.lr=1e-3",
+    # a custom reward that scores by length makes the updates non-trivial on a random model
+    f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
+]
+COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean", "weights_version"]
+
+
+def run(out: Path, *extra: str, env: dict | None = None, ranks: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *BASE, f"trainer.output_dir={out}", f"trainer.nproc_per_node={ranks}", *extra]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False, env={**os.environ, **(env or {})}
+    )
+
+
+def step_rows(out: Path) -> dict[int, dict]:
+    rows = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "actor/loss" in r:
+            rows[r["step"]] = r  # a resumed run rewrites the steps after its checkpoint
+    return rows
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = {}
+    for ranks in (1, 2):
+        d = tmp_path_factory.mktemp(f"ref{ranks}")
+        p = run(d, "trainer.total_steps=4", ranks=ranks)
+        assert p.returncode == 0, p.stderr[-5000:]
+        out[ranks] = step_rows(d)
+    return out
+
+
+@pytest.mark.parametrize(("ranks", "fault"), [(1, "update@3"), (2, "save@2"), (2, "generate@4@1")])
+def test_kill9_then_resume_matches_uninterrupted(reference, tmp_path, ranks, fault):
+    p = run(tmp_path, "trainer.total_steps=4", env={"HYBRID_RL_FAULT": fault}, ranks=ranks)
+    assert p.returncode != 0, "the injected SIGKILL did not happen"
+    assert "[fault injection] SIGKILL" in p.stderr
+    ckpts = sorted(x.name for x in (tmp_path / "checkpoints").iterdir())
+    assert all(not c.endswith(".tmp") or c.startswith(".") for c in ckpts)
+    p = run(tmp_path, "trainer.total_steps=4", ranks=ranks)
+    assert p.returncode == 0, p.stderr[-5000:]
+    got, want = step_rows(tmp_path), reference[ranks]
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in COMPARED:
+            assert got[step][key] == want[step][key], (fault, step, key, got[step][key], want[step][key])
+
+
+def test_bad_model_paths_fail_early_with_the_path(tmp_path):
+    missing = run(tmp_path / "a", f"model.path={tmp_path / 'nope'}")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    p = run(tmp_path / "b", f"model.path={corrupt}")
+    assert p.returncode == 2 and "config.json is corrupt" in p.stderr
+    from hybrid_rl.models.tiny import tiny_model_path
+
+    src = tiny_model_path("micro")
+    no_template = tmp_path / "no_template"
+    no_template.mkdir()
+    for f in src.iterdir():
+        if f.name != "chat_template.jinja":
+            (no_template / f.name).write_bytes(f.read_bytes())
+    p = run(tmp_path / "c", f"model.path={no_template}")
+    assert p.returncode == 2 and "no chat template" in p.stderr
+
+
+def test_prompt_longer_than_model_is_named(tmp_path):
+    p = run(tmp_path, "data.max_prompt_length=2000")
+    assert p.returncode == 2 and "max_position_embeddings" in p.stderr
+
+
+def test_a_dead_rank_ends_the_job(tmp_path):
+    """SIGKILL one rank mid-run: torchrun stops the others; the job exits non-zero, it does not hang."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_rl.main",
+        *BASE,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.nproc_per_node=2",
+        "trainer.total_steps=50",
+        "trainer.collective_timeout_s=60",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(1)
+    workers = subprocess.run(["pgrep", "-f", f"trainer.output_dir={tmp_path}"], capture_output=True, text=True, check=False)
+    pids = [int(x) for x in workers.stdout.split() if int(x) != proc.pid]
+    assert pids, "no worker processes found"
+    os.kill(max(pids), signal.SIGKILL)
+    start = time.time()
+    proc.wait(timeout=240)
+    assert proc.returncode != 0
+    assert time.time() - start < 240

@@ -1,0 +1,174 @@
+"""The sandbox under attack: every probe must be blocked (real bubblewrap, real limits)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from hybrid_rl.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, check_available
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed (make setup installs it)"),
+]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return Sandbox(
+        SandboxLimits(
+            cpu_seconds=3, wall_seconds=8, memory_mb=256, processes=16, file_size_mb=4, scratch_mb=16, tmp_mb=8, output_bytes=4096
+        )
+    )
+
+
+def nobody_processes() -> list[str]:
+    """Live processes of the sandbox uid (zombies awaiting their reaper hold nothing but a pid)."""
+    p = subprocess.run(["ps", "-u", "65534", "-o", "pid=,stat=,args="], capture_output=True, text=True, check=False)
+    return [line for line in p.stdout.splitlines() if line.split() and not line.split()[1].startswith("Z")]
+
+
+def test_runs_code_and_reports(sandbox):
+    r = sandbox.run("import sys; print(sum(range(10))); print('err', file=sys.stderr)", stdin="")
+    assert r.ok and r.stdout == "45\n" and "err" in r.stderr
+
+
+def test_cannot_read_a_secret_file(sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    r = sandbox.run(f"print(open({str(secret)!r}).read())")
+    assert "TOP-SECRET" not in r.stdout and r.returncode != 0
+    r = sandbox.run("import os; print(open('/etc/shadow').read()); print(os.listdir('/root'))")
+    assert r.returncode != 0 and "root:" not in r.stdout
+
+
+def test_cannot_write_outside(sandbox, tmp_path):
+    target = tmp_path / "pwned"
+    r = sandbox.run(f"open({str(target)!r}, 'w').write('x')\nopen('/usr/pwned', 'w').write('x')")
+    assert r.returncode != 0
+    assert not target.exists() and not os.path.exists("/usr/pwned")
+
+
+def test_cannot_reach_a_tcp_listener_on_localhost(sandbox):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(0.5)
+    port = srv.getsockname()[1]
+    r = sandbox.run(f"import socket; s = socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')")
+    with pytest.raises(TimeoutError):
+        srv.accept()  # nobody knocked
+    srv.close()
+    assert "connected" not in r.stdout and r.returncode != 0
+
+
+def test_cannot_reach_an_abstract_unix_socket(sandbox):
+    name = f"\0hybrid_rl_test_{os.getpid()}"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(name)
+    srv.listen(1)
+    r = sandbox.run(f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({name!r}); print('connected')")
+    srv.close()
+    assert "connected" not in r.stdout and r.returncode != 0
+
+
+def test_cannot_see_or_signal_host_processes(sandbox):
+    r = sandbox.run(
+        f"import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))\nos.kill({os.getpid()}, 0)\n"
+    )
+    assert int(r.stdout.split()[0]) <= 3  # its own namespace: init + itself
+    assert r.returncode != 0 and "ProcessLookupError" in r.stderr
+
+
+def test_fork_bomb_is_contained(sandbox):
+    before = len(nobody_processes())
+    start = time.time()
+    r = sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    assert time.time() - start < 15
+    assert r.timed_out or r.returncode != 0
+    time.sleep(0.5)
+    assert len(nobody_processes()) <= before
+
+
+def test_memory_is_limited(sandbox):
+    r = sandbox.run("x = bytearray(4 * 1024**3); print('allocated')")
+    assert "allocated" not in r.stdout and "MemoryError" in r.stderr
+
+
+def test_infinite_loop_is_killed(sandbox):
+    start = time.time()
+    r = sandbox.run("while True:\n    pass\n")
+    assert time.time() - start < 12
+    assert r.timed_out or r.returncode != 0
+
+
+def test_double_forked_orphan_does_not_outlive_the_call(sandbox, tmp_path):
+    r = sandbox.run(
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print('parent done')\n"
+    )
+    assert "parent done" in r.stdout
+    time.sleep(0.5)
+    assert not [p for p in nobody_processes() if "sleep" in p or "main.py" in p]
+
+
+def test_huge_output_is_capped(sandbox):
+    start = time.time()
+    r = sandbox.run("import sys\nchunk = 'x' * 1_000_000\nfor _ in range(100):\n    sys.stdout.write(chunk)\n")
+    assert time.time() - start < 15
+    assert len(r.stdout) <= 4096 and r.truncated
+
+
+def test_disk_fill_is_bounded(sandbox):
+    free_before = shutil.disk_usage("/").free
+    r = sandbox.run(
+        "n = 0\n"
+        "try:\n"
+        "    for i in range(1000):\n"
+        "        with open(f'/work/f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * 3_000_000)\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print('stopped', n, e.errno)\n"
+    )
+    assert "stopped" in r.stdout
+    assert int(r.stdout.split()[1]) < 10  # 16 MiB scratch tmpfs
+    assert abs(shutil.disk_usage("/").free - free_before) < 64 << 20
+
+
+def test_no_silent_fallback(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match="bubblewrap"):
+        check_available("bwrap")
+    with pytest.raises(SandboxUnavailable, match="unknown sandbox backend"):
+        check_available("docker")
+
+
+def test_no_leftovers_after_many_concurrent_runs(sandbox):
+    from concurrent.futures import ThreadPoolExecutor
+
+    before_tmp = {p for p in os.listdir("/tmp") if p.startswith("hybrid_rl-sbx-")}
+    with ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(lambda i: sandbox.run(f"print({i} * 2)"), range(48)))
+    assert [r.stdout.strip() for r in results] == [str(i * 2) for i in range(48)]
+    after_tmp = {p for p in os.listdir("/tmp") if p.startswith("hybrid_rl-sbx-")}
+    assert after_tmp <= before_tmp
+    assert not nobody_processes()
+
+
+def test_code_reward_scores_fraction_of_tests_passed():
+    from hybrid_rl.rewards.functions import code_reward
+
+    tests = [{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", "output": "6"}, {"input": "1 1\n", "output": "3"}]
+    good = "Here:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    assert code_reward("code", good, tests) == pytest.approx(2 / 3)
+    assert code_reward("code", "```python\nwhile True: pass\n```", tests) == 0.0
+    assert code_reward("code", "```python\nimport socket; socket.create_connection(('8.8.8.8', 53))\n```", tests) == 0.0
