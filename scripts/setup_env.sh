@@ -15,6 +15,14 @@ if [ "${HYBRID_RL_STACK:-auto}" = "cuda" ] || { [ "${HYBRID_RL_STACK:-auto}" = "
 else
   STACK=cpu
 fi
+# The code sandbox needs bubblewrap (Debian package); install it when we can.
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing bubblewrap (the sandbox for model-written code)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
+fi
+command -v bwrap >/dev/null 2>&1 || echo "[setup] WARNING: bwrap not found; sandbox tests are skipped and agentic runs refuse to start"
+
 STAMP="$VENV/.hybrid_rl-$STACK-$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-12)"
 if [ -f "$STAMP" ]; then
   exit 0

@@ -240,15 +240,18 @@ def make_rm_loss(kind: str, group: int, n_groups: float, margin: float):
 
 
 def rm_eval(engine: FSDPEngine, val: list[PreferenceExample], pad_id: int) -> dict:
-    """Held-out pairwise accuracy: the chosen (correct) answer scores above the rejected one."""
-    hits, n = 0.0, 0.0
+    """Held-out pairwise accuracy (the chosen answer scores above the rejected one) and the mean
+    Bradley-Terry probability sigma(r_chosen - r_rejected), which moves even when the accuracy of
+    an untrained head is already saturated by chance."""
+    hits, prob, n = 0.0, 0.0, 0.0
     for i in range(0, len(val), 64):
         b = rows_for(val[i : i + 64], pad_id)
-        s = engine.forward_outputs(b).scores
+        s = engine.forward_outputs(b).scores.float()
         hits += float((s[0::2] > s[1::2]).sum())
+        prob += float(torch.sigmoid(s[0::2] - s[1::2]).sum())
         n += len(val[i : i + 64])
-    hits, n = all_reduce_sum([hits, n])
-    return {"val/rm_pairwise_accuracy": hits / max(n, 1), "val/pairs": n}
+    hits, prob, n = all_reduce_sum([hits, prob, n])
+    return {"val/rm_pairwise_accuracy": hits / max(n, 1), "val/rm_bt_prob": prob / max(n, 1), "val/pairs": n}
 
 
 def run_rm(cfg: Any, ctx: DistContext, export_dir: str | None = None) -> dict[str, float]:

@@ -72,8 +72,12 @@ def test_dpo_raises_heldout_preference_accuracy(tmp_path, pairs):
 @pytest.mark.parametrize("loss", ["pairwise", "margin", "listwise"])
 def test_reward_model_ranks_chosen_above_rejected(tmp_path, pairs, loss):
     rows = run(tmp_path, "rm_math", pairs, "actor.lr=5e-4", f"preference.rm_loss={loss}", "preference.list_size=3")
-    acc = [r["val/rm_pairwise_accuracy"] for r in rows if "val/rm_pairwise_accuracy" in r]
-    assert acc[-1] > 0.9 and acc[-1] > acc[0]
+    val = [r for r in rows if "val/rm_pairwise_accuracy" in r]
+    assert val[0]["step"] == 0 and val[-1]["step"] == 30
+    # A random head can rank the pairs right by chance (CI once saw 1.0 before training), so the
+    # learning check is on the Bradley-Terry probability, which only training moves far.
+    assert val[-1]["val/rm_pairwise_accuracy"] > 0.9
+    assert val[-1]["val/rm_bt_prob"] > max(0.8, val[0]["val/rm_bt_prob"] + 0.1)
     from transformers import AutoModelForSequenceClassification
 
     rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
