@@ -75,7 +75,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--presets", default="tiny,small,base")
+    ap.add_argument("--presets", default="tiny,small,base,large")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5)

@@ -89,15 +89,26 @@ def hybrid(args) -> dict:
     rss0 = memory_reading(ctx.device)
     phases: dict[str, list[float]] = {}
     totals = {"to_rollout": [], "to_train": []}
+    trace: list[float] = []
     for i in range(args.repeats + 1):
         for rep in (switch.to_train(), switch.to_rollout()):
             if i == 0:
-                continue  # warm-up
+                continue  # warm-up (first gather, allocator growth)
             totals[rep.direction].append(rep.total_seconds)
             for k, v in rep.seconds.items():
                 phases.setdefault(f"{rep.direction}/{k}", []).append(v)
         engine.generate([[1, 2, 3, 4]], SamplingSpec(n=1, max_tokens=4))
+        if i == 0:
+            rss0 = memory_reading(ctx.device)
+        trace.append(memory_reading(ctx.device)["rss_mib"])
     rss1 = memory_reading(ctx.device)
+    # Where the sync time goes: the all-gather out of the shards alone, and vLLM's load alone.
+    from benchmarks.common import timed
+
+    dt, bucket = to_dtype(args.dtype), args.bucket_mb << 20
+    gather = timed(lambda: sum(1 for _ in actor.iter_full_params(bucket, dt)), args.repeats)
+    gathered = [(n, t.clone()) for n, t in actor.iter_full_params(bucket, dt)]
+    load = timed(lambda: engine.load_weights(iter(gathered)), args.repeats)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     out = {
         "preset": args.preset,
@@ -108,9 +119,12 @@ def hybrid(args) -> dict:
         "phases_median_s": {k: med(v) for k, v in phases.items()},
         "to_rollout_median_s": med(totals["to_rollout"]),
         "to_train_median_s": med(totals["to_train"]),
+        "gather_only": gather,
+        "vllm_load_only": load,
         "memcpy_floor": memcpy_floor(nbytes, args.repeats) if ctx.rank == 0 else None,
         "rss_before_mib": rss0,
         "rss_after_mib": rss1,
+        "rss_trace_mib": trace,
         "engine_start_s": engine.start_seconds,
         "notes": switch.history[-2].notes + switch.history[-1].notes,
     }

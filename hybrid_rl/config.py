@@ -133,6 +133,9 @@ class ActorConfig:
     # Samples per forward/backward on one rank; or pack by token budget if max_tokens_per_micro > 0.
     micro_batch_size: int = 16
     max_tokens_per_micro: int = 0
+    # Padding-free micro-batches: rows repacked first-fit into fewer rows, each sequence attending
+    # only to itself (block-diagonal mask from restarting position ids). Actor and critic.
+    packing: bool = True
     # Passes over each rollout batch (PPO epochs).
     epochs: int = 1
     # Mixed precision: compute dtype for params (null = model.dtype) and for gradient reduction.

@@ -382,7 +382,7 @@ def build_policy_engine(
             grad_clip=actor_cfg.grad_clip,
         )
     return FSDPEngine(
-        PolicyModule(lm, actor_cfg.logprob_chunk),
+        PolicyModule(lm, actor_cfg.logprob_chunk, getattr(actor_cfg, "packing", False)),
         ctx,
         optim,
         micro_batch_size=actor_cfg.micro_batch_size,
@@ -398,7 +398,7 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
 
     dtype = to_dtype(model_cfg.dtype)
     lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
-    module = ValueModule(lm.model, lm.config.hidden_size).to(dtype)
+    module = ValueModule(lm.model, lm.config.hidden_size, getattr(actor_cfg, "packing", False)).to(dtype)
     optim = OptimConfig(
         lr=critic_cfg.lr,
         weight_decay=actor_cfg.weight_decay,

@@ -51,6 +51,67 @@ def logprobs_and_entropy(
     return torch.cat(outs_lp), torch.cat(outs_ent)
 
 
+def pack_plan(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Where each row's real tokens go when rows are packed padding-free.
+
+    Every row of a :class:`~hybrid_rl.batch.TrainBatch` holds one contiguous run of real tokens
+    (left-padded prompt, right-padded response). Runs are dealt first-fit-decreasing into packed
+    rows of the same width ``T``, so ``R <= B`` rows carry the same tokens with less padding.
+
+    ``attention_mask [B, T]`` -> ``src [N]`` (flat indices into ``[B*T]``), ``dst [N]`` (flat
+    indices into ``[R*T]``), ``filler_pos [R*T]`` (position ids for the unused tail of each packed
+    row: its own segment, counting from 0) and ``R``; ``N`` is the number of real tokens.
+    """
+    b, t = attention_mask.shape
+    lengths = attention_mask.sum(1).tolist()
+    starts = attention_mask.float().argmax(1).tolist()
+    used: list[int] = []
+    src, dst = [], []
+    for i in sorted(range(b), key=lambda i: -lengths[i]):
+        n = int(lengths[i])
+        r = next((k for k, u in enumerate(used) if u + n <= t), None)
+        if r is None:
+            used.append(0)
+            r = len(used) - 1
+        src.append(torch.arange(i * t + starts[i], i * t + starts[i] + n))
+        dst.append(torch.arange(r * t + used[r], r * t + used[r] + n))
+        used[r] += n
+    rows = len(used)
+    col = torch.arange(t).repeat(rows)
+    tail_start = torch.tensor(used).repeat_interleave(t)
+    filler_pos = (col - tail_start).clamp(min=0)
+    dev = attention_mask.device
+    return torch.cat(src).to(dev), torch.cat(dst).to(dev), filler_pos.to(dev), rows
+
+
+def body_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, packing: bool) -> Tensor:
+    """Last hidden states ``[B, T, H]`` of a HF decoder body, padded or packed.
+
+    Packed (``packing=True``): rows are repacked by :func:`pack_plan`, the body runs on ``[R, T]``
+    with no attention mask and position ids that restart at 0 for each sequence, from which
+    transformers builds a block-diagonal causal mask (``find_packed_sequence_indices``); the
+    hidden states are scattered back to the padded layout (zeros on padding). Same results as
+    padded up to float rounding, with fewer rows (the FLOPs of the padding are not spent);
+    with flash-attn's varlen kernel the attention is also per sequence.
+    """
+    if not packing or input_ids.shape[0] == 1:
+        return body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+    b, t = input_ids.shape
+    src, dst, filler_pos, rows = pack_plan(attention_mask)
+    ids = input_ids.new_zeros(rows * t)
+    ids[dst] = input_ids.reshape(-1)[src]
+    pos = filler_pos.to(position_ids.dtype)
+    pos[dst] = position_ids.reshape(-1)[src]
+    hidden = body(
+        input_ids=ids.view(rows, t), attention_mask=None, position_ids=pos.view(rows, t), use_cache=False
+    ).last_hidden_state
+    flat = hidden.reshape(rows * t, -1)
+    out = flat.new_zeros(b * t, flat.shape[-1]).index_copy(0, src, flat.index_select(0, dst))
+    return out.view(b, t, -1)
+
+
 class PolicyModule(nn.Module):
     """A causal LM whose forward returns response log-probs and entropies ``[b, R]``.
 
@@ -58,10 +119,11 @@ class PolicyModule(nn.Module):
     response token ``j``.
     """
 
-    def __init__(self, lm: nn.Module, logprob_chunk: int = 1024) -> None:
+    def __init__(self, lm: nn.Module, logprob_chunk: int = 1024, packing: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.logprob_chunk = logprob_chunk
+        self.packing = packing
 
     def forward(
         self,
@@ -71,9 +133,7 @@ class PolicyModule(nn.Module):
         prompt_len: int,
         temperature: float = 1.0,
     ) -> ModelOutputs:
-        hidden = self.lm.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        hidden = body_hidden(self.lm.model, input_ids, attention_mask, position_ids, self.packing)
         b, t = input_ids.shape
         r = t - prompt_len
         h = hidden[:, prompt_len - 1 : t - 1].reshape(b * r, -1)
@@ -96,9 +156,10 @@ class ValueModule(nn.Module):
     (hidden state at position P - 1 + j), the same alignment as the log-probs.
     """
 
-    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+    def __init__(self, body: nn.Module, hidden_size: int, packing: bool = False) -> None:
         super().__init__()
         self.body = body
+        self.packing = packing
         self.value_head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -106,9 +167,7 @@ class ValueModule(nn.Module):
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: float = 1.0
     ) -> ModelOutputs:
-        hidden = self.body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        hidden = body_hidden(self.body, input_ids, attention_mask, position_ids, self.packing)
         t = input_ids.shape[1]
         h = hidden[:, prompt_len - 1 : t - 1]
         return ModelOutputs(values=self.value_head(h).squeeze(-1).float())

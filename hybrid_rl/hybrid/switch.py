@@ -10,7 +10,11 @@ to_rollout:
     4. wake_kv_cache      - re-allocate the KV cache (tag "kv_cache") after the weights, so
                             the gathered tensors are freed before the cache comes back
     5. reset_prefix_cache - cached prompt KV was computed with the old weights
-    6. bump the weights version that rollouts are stamped with
+    6. trim_host_heap     - hand the freed gather buckets and vLLM's replaced weights back to
+                            the OS (glibc ``malloc_trim``); without it RSS grows by ~1.7x the
+                            model's bytes over the first ~10 switches (heap fragmentation,
+                            measured on the 100M model) before it levels off
+    7. bump the weights version that rollouts are stamped with
 
 to_train:
     1. sleep_engine       - free the KV cache and offload (level 1) or drop (level 2) weights
@@ -30,6 +34,24 @@ import torch
 
 from hybrid_rl.rollout.base import RolloutEngine
 from hybrid_rl.timing import PhaseTimer
+
+
+def _libc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def trim_host_heap() -> None:
+    """Return free heap pages to the OS (glibc only; a no-op elsewhere)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class ShardedWeights(Protocol):
@@ -101,6 +123,8 @@ class HybridSwitch:
                 self.rollout.wake_up(["kv_cache"])
         with timer.phase("reset_prefix_cache"):
             self.rollout.reset_prefix_cache()
+        with timer.phase("trim_host_heap"):
+            trim_host_heap()
         self.weights_version += 1
         self.mode = "rollout"
         return self._report("to_rollout", timer, freed=False, notes=notes)

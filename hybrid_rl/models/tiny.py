@@ -45,9 +45,29 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
     # ~0.3M params: unit tests that only need the plumbing.
     "micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
-    # ~21M and ~110M params: benchmark shapes for the switch and the step.
+    # ~18M and ~100M params: benchmark shapes for the switch and the step.
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),
     "base": dict(hidden_size=896, intermediate_size=3072, num_hidden_layers=10, num_attention_heads=14, num_key_value_heads=2),
+    # ~390M params: the largest switch-benchmark shape that fits 2 ranks in 24 GiB with room to spare.
+    "large": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=2),
+    # Random-init models in the shape of Qwen2.5-0.5B / -1.5B (151,936-row embedding; the tokenizer
+    # uses the first rows): GPU benchmark shapes, no download needed.
+    "qwen0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
 }
 
 
@@ -99,9 +119,9 @@ def build_model(out_dir: str | Path, preset: str = "tiny", vocab_size: int = 512
         raise ValueError(f"unknown tiny-model preset {preset!r}; known: {', '.join(PRESETS)}")
     out = Path(out_dir)
     tok = build_tokenizer(vocab_size, seed)
-    shape = PRESETS[preset]
+    shape = dict(PRESETS[preset])
     config = Qwen2Config(
-        vocab_size=len(tok),
+        vocab_size=max(len(tok), shape.pop("vocab_size", 0)),
         max_position_embeddings=max_len,
         tie_word_embeddings=True,
         rope_theta=10000.0,

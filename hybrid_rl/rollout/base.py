@@ -29,6 +29,8 @@ class SamplingSpec:
     logprobs: bool = True
     # Keep the stop string in the output (the agent loop needs the closing </tool_call>).
     include_stop_str_in_output: bool = False
+    # Generate exactly max_tokens (benchmarks that need equal work per request).
+    ignore_eos: bool = False
 
 
 @dataclass

@@ -134,6 +134,13 @@ class VLLMRollout:
         m = self.llm.get_metrics()
         return _counter(m, PREFIX_QUERIES), _counter(m, PREFIX_HITS)
 
+    def counters(self) -> dict[str, int]:
+        """vLLM's cumulative token counters: prompt tokens scheduled, of them served from the
+        prefix cache, and generated tokens (benchmarks difference two readings)."""
+        m = self.llm.get_metrics()
+        names = ("vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:generation_tokens", PREFIX_QUERIES, PREFIX_HITS)
+        return {n.removeprefix("vllm:"): _counter(m, n) for n in names}
+
     @staticmethod
     def _params(spec: SamplingSpec) -> SamplingParams:
         return SamplingParams(
@@ -147,6 +154,7 @@ class VLLMRollout:
             stop_token_ids=spec.stop_token_ids,
             logprobs=0 if spec.logprobs else None,
             include_stop_str_in_output=spec.include_stop_str_in_output,
+            ignore_eos=spec.ignore_eos,
         )
 
     @staticmethod

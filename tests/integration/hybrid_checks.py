@@ -70,6 +70,7 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
         grad_clip=1.0,
         micro_batch_size=8,
         max_tokens_per_micro=0,
+        packing=True,
         param_dtype=None,
         reduce_dtype="float32",
         logprob_chunk=1024,
@@ -128,13 +129,33 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
     out["generate_after_abort_ok"] = len(res[0].completions) == 2
     out["parity_after_abort"] = all_reduce_max(max_diff(engine.prompt_logprobs(seqs), trainer_logprobs(actor, seqs)))
 
-    # 4. many switches: resident memory stays flat
+    # 4. CUDA: to_train frees the KV cache and vLLM's weights (sleep mode), to_rollout takes them back
+    if ctx.device.type == "cuda":
+        import torch
+
+        switch.to_train()
+        torch.cuda.synchronize()
+        free_train = torch.cuda.mem_get_info(ctx.device)[0]
+        out["engine_freed"] = bool(switch.history[-1].freed)
+        switch.to_rollout()
+        torch.cuda.synchronize()
+        free_rollout = torch.cuda.mem_get_info(ctx.device)[0]
+        out["cuda_freed_by_sleep_gib"] = (free_train - free_rollout) / 2**30
+        out["parity_after_sleep_wake"] = all_reduce_max(max_diff(engine.prompt_logprobs(seqs), trainer_logprobs(actor, seqs)))
+        out["switch_phases_s"] = {f"{r.direction}/{k}": v for r in switch.history[-2:] for k, v in r.seconds.items()}
+
+    # 5. many switches: resident memory stays flat
     rss = []
     for _ in range(switches):
         switch.to_train()
         switch.to_rollout()
         engine.generate([seqs[2][:24]], SamplingSpec(n=4, max_tokens=8, seed=2))
         rss.append(memory_reading()["rss_mib"])
+        if ctx.device.type == "cuda":
+            import torch
+
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            out.setdefault("cuda_used_mib", []).append((total - free) / 2**20)
     out["rss_mib"] = rss
     out["rss_growth_mib_after_warmup"] = all_reduce_max(rss[-1] - rss[min(5, len(rss) - 1)])
     out["switch_total_s_mean"] = sum(r.total_seconds for r in switch.history[-2 * switches :]) / switches
@@ -147,8 +168,9 @@ def main() -> None:
     ap.add_argument("--switches", type=int, default=50)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     args = ap.parse_args()
-    ctx = init_distributed("cpu")
+    ctx = init_distributed(args.device)
     path = str(tiny_model_path(args.preset)) if ctx.rank == 0 else None
     barrier()
     path = str(tiny_model_path(args.preset))

@@ -1,0 +1,118 @@
+"""Short runs of every RL algorithm recipe on the default task, same budget, for the README table.
+
+    python -m benchmarks.compare_algorithms [--steps 20] [--recipes grpo_math,dapo_math,...]
+
+Each recipe starts from the same SFT model (builtin:tiny-sft), trains ``--steps`` steps with its
+own settings on the same prompts (same seed), and is validated on the same held-out prompts
+(greedy accuracy). The SFT model's accuracy, measured once by the first run before training, is
+the common starting point. Writes results/compare_algorithms.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, machine_info, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = [
+    "grpo_math",
+    "drgrpo_math",
+    "dapo_math",
+    "gspo_math",
+    "gfpo_math",
+    "rloo_math",
+    "reinforce_math",
+    "reinforce_pp_math",
+    "reinforce_pp_baseline_math",
+    "remax_math",
+    "ppo_math",
+]
+
+
+def run(recipe: str, steps: int, before: bool, extra: list[str]) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"cmp-{recipe}-"))
+    cmd = [
+        sys.executable, "-m", "hybrid_rl.main", f"+recipe={recipe}", f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.val_before_train={str(before).lower()}",
+        "trainer.save_every=0", "logger.progress_bar=false", "rollout.val_pass_k=0", *extra,
+    ]  # fmt: skip
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=3600)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        return {"recipe": recipe, "error": p.stderr[-2000:]}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+    steps_t = [r["timing/step"] for r in rows if "timing/step" in r]
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    return {
+        "recipe": recipe,
+        "val_before": val.get(0),
+        "val_after": val.get(steps),
+        "train_reward_first5": sum(rewards[:5]) / max(len(rewards[:5]), 1),
+        "train_reward_last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
+        "step_s_median": sorted(steps_t)[len(steps_t) // 2] if steps_t else None,
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("extra", nargs="*", help="Hydra overrides for every run")
+    args = ap.parse_args()
+    rows = []
+    for i, recipe in enumerate(args.recipes.split(",")):
+        r = run(recipe, args.steps, before=i == 0, extra=args.extra)
+        rows.append(r)
+        if "error" in r:
+            print(f"{recipe:>28}: FAILED\n{r['error']}", flush=True)
+        else:
+            print(
+                f"{recipe:>28}: val {r['val_before'] if r['val_before'] is not None else '':>6} -> {r['val_after']:.3f}  "
+                f"reward {r['train_reward_first5']:.3f} -> {r['train_reward_last5']:.3f}  {r['step_s_median']:.2f} s/step  ({r['wall_s']:.0f} s)",
+                flush=True,
+            )
+    sft = next((r["val_before"] for r in rows if r.get("val_before") is not None), None)
+    path = write_json(
+        "compare_algorithms",
+        {
+            "benchmark": "compare_algorithms",
+            "machine": machine_info(),
+            "settings": vars(args),
+            "sft_val_accuracy": sft,
+            "rows": rows,
+        },
+    )
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.bar([r["recipe"].removesuffix("_math") for r in ok], [r["val_after"] for r in ok], color="C0")
+    if sft is not None:
+        ax.axhline(sft, color="k", ls="--", lw=1, label=f"SFT start ({sft:.3f})")
+        ax.legend(fontsize=8)
+    ax.set_ylabel(f"held-out greedy accuracy after {args.steps} steps")
+    ax.set_ylim(min([r["val_after"] for r in ok] + [sft or 1]) - 0.05, max(r["val_after"] for r in ok) + 0.05)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "compare_algorithms.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {path} and {RESULTS / 'compare_algorithms.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Benchmark: the same GRPO step with hybrid_rl and with TRL's GRPOTrainer, on CPU.
+
+    python -m benchmarks.vs_trl [--prompts 8] [--group 8] [--max-tokens 128] [--steps 6]
+
+Same model (the project's tiny model, random init, so both sides generate to the length cap
+nearly always: the same work), same prompts (the synthetic math task through the chat template),
+same G, same completion cap, one optimizer step per generation (no PPO epochs, no KL term, no
+reference model), same learning rate, same rule-based reward. The median step time over steps
+2..N is compared (step 1 carries start-up and warm-up on both sides).
+
+  hybrid_rl: ``python -m hybrid_rl.main +recipe=grpo_math`` with the matching overrides, on 1 rank
+             (one process, like TRL here) and on 2 ranks (the recipe's default on 2 cores);
+  TRL:       GRPOTrainer in one process, ``use_cpu=True``, generation with transformers
+             (TRL's vLLM modes need CUDA).
+
+TRL is an optional benchmark dependency: it is installed (pinned, no deps) into
+``benchmarks/.deps`` on first use and put on the path of the TRL process only, so the project's
+environment is untouched. Writes results/vs_trl.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import RESULTS, machine_info, write_json
+
+HERE = Path(__file__).resolve().parent
+DEPS = HERE / ".deps"
+# What TRL adds on top of the project's environment (pip --dry-run against it), pinned.
+TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0", "datasets==5.2.0", "multiprocess==0.70.19", "pandas==3.1.1", "xxhash==4.1.0"]
+
+
+def ensure_trl() -> None:
+    if (DEPS / "trl").is_dir():
+        return
+    print(f"[vs_trl] installing {', '.join(TRL_PINS)} into {DEPS}", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(DEPS), *TRL_PINS], check=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[dict]:
+    import random
+
+    from hybrid_rl.data import synth_math
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = synth_math.make_problem(rng, rng.choice([1, 2, 3]))
+        out.append({"prompt": [{"role": "user", "content": f"{p.question} {synth_math.INSTRUCTION}"}], "answer": str(p.answer)})
+    return out
+
+
+def trl_worker(args) -> None:
+    from hybrid_rl.env import setup_process_env
+
+    setup_process_env(threads_per_rank=os.cpu_count() or 1)
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hybrid_rl.models.tiny import tiny_model_path
+    from hybrid_rl.rewards.functions import math_reward
+
+    path = str(tiny_model_path(args.preset))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    data = Dataset.from_list(prompts(args.prompts * (args.steps + 1)))
+
+    def reward(completions, answer, **_):
+        return [
+            math_reward("synth_math", c[0]["content"] if isinstance(c, list) else c, a)
+            for c, a in zip(completions, answer, strict=True)
+        ]
+
+    marks: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            marks.append(time.perf_counter())
+
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-"),
+        per_device_train_batch_size=args.prompts * args.group,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        beta=0.0,
+        num_iterations=1,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=model, processing_class=tok, reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Clock()]
+    )
+    start = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([start, *marks[:-1]], marks, strict=True)]
+    Path(args.out).write_text(json.dumps({"step_seconds": steps}))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_hybrid(args, ranks: int) -> list[float]:
+    out = Path(tempfile.mkdtemp(prefix=f"hybrid-{ranks}-"))
+    cmd = [
+        sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math",
+        f"model.path=builtin:{args.preset}", f"trainer.nproc_per_node={ranks}", f"trainer.output_dir={out}",
+        f"trainer.total_steps={args.steps}", "trainer.val_every=0", "trainer.val_before_train=false",
+        "trainer.save_every=0", "logger.progress_bar=false",
+        f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}", f"rollout.max_response_length={args.max_tokens}",
+        "rollout.val_pass_k=0", "algorithm.filter_groups=false", f"actor.lr={args.lr}",
+        f"actor.micro_batch_size={args.prompts * args.group}",
+    ]  # fmt: skip
+    p = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True, check=False, timeout=1800)
+    if p.returncode != 0:
+        raise SystemExit(f"hybrid_rl ({ranks} ranks) failed:\n{p.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["timing/step"] for r in rows if "timing/step" in r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        trl_worker(args)
+        return
+    ensure_trl()
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DEPS), str(HERE.parent)])}
+    cmd = [sys.executable, "-m", "benchmarks.vs_trl", "--worker", "--out", str(out)]
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out")]
+    p = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, check=False, timeout=3600)
+    if p.returncode != 0 or out.stat().st_size == 0:
+        raise SystemExit(f"TRL worker failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    trl_steps = json.loads(out.read_text())["step_seconds"]
+    results = {"trl": trl_steps, "hybrid_rl_1rank": run_hybrid(args, 1), "hybrid_rl_2ranks": run_hybrid(args, 2)}
+    med = {k: statistics.median(v[1:]) for k, v in results.items()}
+    ratios = {k: med["trl"] / v for k, v in med.items() if k != "trl"}
+    for k, v in med.items():
+        print(f"{k:>17}: {v:.2f} s/step" + (f"  ({ratios[k]:.1f}x faster than TRL)" if k in ratios else ""))
+    payload = {
+        "benchmark": "vs_trl",
+        "machine": machine_info(),
+        "settings": vars(args),
+        "trl_pins": TRL_PINS,
+        "step_seconds": results,
+        "median_step_s": med,
+        "trl_over_hybrid": ratios,
+        "target_min": 3.0,
+    }
+    path = write_json("vs_trl", payload)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    names = list(med)
+    ax.bar(names, [med[k] for k in names], color=["C1", "C0", "C0"])
+    for i, k in enumerate(names):
+        ax.text(
+            i, med[k], f"{med[k]:.1f} s" + (f"\n{ratios[k]:.1f}x" if k in ratios else ""), ha="center", va="bottom", fontsize=8
+        )
+    ax.set_ylabel("seconds per GRPO step (median)")
+    ax.set_title(
+        f"Same GRPO step: {args.prompts} prompts x G={args.group} x {args.max_tokens} tokens ({args.preset}, CPU)", fontsize=9
+    )
+    ax.margins(y=0.2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "vs_trl.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {path} and {RESULTS / 'vs_trl.png'}")
+
+
+if __name__ == "__main__":
+    main()
