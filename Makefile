@@ -6,7 +6,7 @@ RECIPE ?= grpo_math
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slurm lint soak bench clean
+.PHONY: setup demo test test-all test-slurm lint soak gpu-check bench compare clean
 
 setup:
 	bash scripts/setup_env.sh $(VENV) dev
@@ -21,14 +21,27 @@ test: setup lint
 test-all: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
+test-slurm: setup
+	$(PY) -m pytest -m slurm $(PYTEST_ARGS)
+
+# The soak test (~10 min): 110 GRPO steps / 220 switches and 1,000 sandboxed runs; prints its figures.
 soak: setup
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow -s $(PYTEST_ARGS)
+
+# On a GPU node: the CUDA tests and the GPU benchmarks in one run (benchmarks/gpu_check.sh).
+gpu-check: setup
+	bash benchmarks/gpu_check.sh
 
 lint: setup
 	$(PY) -m ruff check hybrid_rl tests benchmarks
 
+# All benchmarks (~20 min on 2 cores): JSON + PNG under benchmarks/results/, summary.json.
 bench: setup
 	$(PY) -m benchmarks.run_all
+
+# Every RL algorithm recipe, same short budget from the same SFT model (~25 min on 2 cores).
+compare: setup
+	$(PY) -m benchmarks.compare_algorithms
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache

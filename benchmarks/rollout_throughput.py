@@ -72,7 +72,9 @@ def measure(args, preset: str) -> dict:
     def hf_generate(batch: list[list[int]]) -> int:
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-        mask = (torch.arange(width, device=device)[None] >= torch.tensor([width - len(p) for p in batch], device=device)[:, None]).long()
+        mask = (
+            torch.arange(width, device=device)[None] >= torch.tensor([width - len(p) for p in batch], device=device)[:, None]
+        ).long()
         with torch.inference_mode():
             y = model.generate(
                 input_ids=ids,
@@ -132,7 +134,13 @@ def main() -> None:
             f"{r['vllm_over_hf']:.1f}x (target >= 5x)",
             flush=True,
         )
-    payload = {"benchmark": "rollout_throughput", "machine": machine_info(), "settings": vars(args), "rows": rows, "target_min": 5.0}
+    payload = {
+        "benchmark": "rollout_throughput",
+        "machine": machine_info(),
+        "settings": vars(args),
+        "rows": rows,
+        "target_min": 5.0,
+    }
     path_json = write_json("rollout_throughput", payload)
 
     import matplotlib
@@ -149,7 +157,10 @@ def main() -> None:
     ax.set_xticks(list(xs), [r["preset"] for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"Rollout: {args.prompts} prompts x G={args.group} x {args.max_tokens} tokens ({args.dtype}, {rows[0]['device']})", fontsize=9)
+    ax.set_title(
+        f"Rollout: {args.prompts} prompts x G={args.group} x {args.max_tokens} tokens ({args.dtype}, {rows[0]['device']})",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

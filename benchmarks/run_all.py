@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, machine_info, write_json
 
-ALL = ["switch_overhead", "prefix_cache", "rollout_throughput", "train_throughput", "vs_trl"]
+ALL = ["switch_overhead", "split_pool", "prefix_cache", "rollout_throughput", "train_throughput", "vs_trl", "sandbox_latency"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +48,15 @@ def summary() -> list[dict]:
                     "met": r["naive_over_switch"] >= 20,
                 }
             )
+    if d := load("split_pool"):
+        rows.append(
+            {
+                "figure": "split-pool step / hybrid step (same cores)",
+                "measured": d["split_over_hybrid"],
+                "target": "(no target)",
+                "met": None,
+            }
+        )
     if d := load("prefix_cache"):
         for s in d["summary"]:
             if s["G"] == 8 and s["mode"] == "n=G":

@@ -138,6 +138,11 @@ class ActorConfig:
     packing: bool = True
     # Passes over each rollout batch (PPO epochs).
     epochs: int = 1
+    # Old log-probs: "auto" skips the extra forward pass when the update is exactly on-policy
+    # (1 epoch, 1 mini-batch, no TIS, no KL in the reward): the ratio is then 1 and
+    # old = logprobs.detach() inside the loss gives the same gradient (as TRL with
+    # num_iterations=1). "always" recomputes them before the update (verl's behaviour).
+    recompute_old_logprobs: str = "auto"
     # Mixed precision: compute dtype for params (null = model.dtype) and for gradient reduction.
     param_dtype: str | None = None
     reduce_dtype: str = "float32"
@@ -346,6 +351,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         problems.append("actor.max_tokens_per_micro must be 0 for dpo/rm (micro-batches keep pairs and lists together)")
     if a.loss_agg_mode not in LOSS_AGG_MODES:
         problems.append(f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
+    if act.recompute_old_logprobs not in ("auto", "always"):
+        problems.append(f"actor.recompute_old_logprobs={act.recompute_old_logprobs!r} must be auto or always")
     if t.task == "rl":
         if a.adv_estimator not in ADV_ESTIMATORS:
             problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} is unknown; known: {', '.join(sorted(ADV_ESTIMATORS))}")

@@ -23,6 +23,23 @@ def memory_reading(device: torch.device | None = None) -> dict[str, float]:
     return out
 
 
+def process_stats() -> dict[str, float]:
+    """What a long run must keep flat: resident memory, open file descriptors, threads, and
+    live child processes (reward workers, sandboxes) of this process."""
+    kids = 0
+    for c in _PROC.children(recursive=True):
+        try:
+            kids += c.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # exited meanwhile
+            pass
+    return {
+        "sys/rss_mib": _PROC.memory_info().rss / 2**20,
+        "sys/open_fds": float(_PROC.num_fds()),
+        "sys/threads": float(_PROC.num_threads()),
+        "sys/child_procs": float(kids),
+    }
+
+
 @dataclass
 class PhaseTimer:
     """Accumulates seconds (and memory after each phase) under names like ``timing/rollout``."""

@@ -158,6 +158,9 @@ def make_actor_loss(cfg: Any) -> LossFn:
         mask = mb.response_mask
         old = mb.old_logprobs if mb.old_logprobs is not None else out.logprobs.detach()
         pg, metrics = policy_loss(out.logprobs, old, mb.advantages, mask, cfg)
+        if mb.old_logprobs is None and mb.rollout_logprobs is not None:
+            # exactly on-policy (no separate old-log-prob pass): the train/inference mismatch here
+            metrics["rollout/logprob_diff_mean"] = masked_mean((old - mb.rollout_logprobs).abs(), mask)
         if cfg.tis_mode != "none" and mb.rollout_logprobs is not None:
             w = tis_weights(old, mb.rollout_logprobs, mask, cfg.tis_mode, cfg.tis_cap)
             metrics["actor/tis_weight_mean"] = masked_mean(w, mask)

@@ -6,7 +6,7 @@ tokenizer trained with ``tokenizers`` on the synthetic math corpus (digits split
 which arithmetic needs), a Qwen-style chat template with tool-call tokens, ``config.json``,
 ``model.safetensors`` and ``generation_config.json``.
 
-Shapes are named presets; ``tiny`` (~3.5M parameters) is the default because on 2 CPU cores the
+Shapes are named presets; ``tiny`` (~3.3M parameters) is the default because on 2 CPU cores the
 training step dominates an RL step. Larger presets exist for benchmarks. A built model is cached
 under ``$HYBRID_RL_CACHE/models/<preset>-<hash>`` and rebuilt only when the recipe changes.
 """
@@ -41,9 +41,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 PRESETS: dict[str, dict[str, int]] = {
-    # ~3.5M params: the default; learns the synthetic task in minutes on 2 CPU cores.
+    # ~3.3M params: the default; learns the synthetic task in minutes on 2 CPU cores.
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-    # ~0.3M params: unit tests that only need the plumbing.
+    # ~0.1M params: unit tests that only need the plumbing.
     "micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
     # ~18M and ~100M params: benchmark shapes for the switch and the step.
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2),

@@ -46,7 +46,7 @@ from hybrid_rl.rollout.agent import AgentLoop, AgentSettings
 from hybrid_rl.rollout.base import SamplingSpec
 from hybrid_rl.rollout.sampler import sample_groups
 from hybrid_rl.rollout.tools import get_parser
-from hybrid_rl.timing import PhaseTimer
+from hybrid_rl.timing import PhaseTimer, process_stats
 from hybrid_rl.trainer import checkpoint as ckpt
 from hybrid_rl.trainer.build import (
     build_rollout_engine,
@@ -207,6 +207,7 @@ class RLTrainer:
         m.update(rollout.stats)
         m.update(timer.metrics())
         m["weights_version"] = float(self.switch.weights_version)
+        m.update(process_stats())
         return self.reduce_metrics(m)
 
     # ================================================================ phases
@@ -401,16 +402,32 @@ class RLTrainer:
             batch.response_mask[cut] = 0.0
         return batch
 
+    @property
+    def exactly_on_policy(self) -> bool:
+        """One optimizer step on fresh samples: old log-probs equal the update's own (detached)."""
+        act, a = self.cfg.actor, self.cfg.algorithm
+        return (
+            act.recompute_old_logprobs == "auto"
+            and act.epochs == 1
+            and act.mini_batch_size == 0
+            and a.tis_mode == "none"
+            and not a.use_kl_in_reward
+        )
+
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, float]:
-        """Old log-probs from the actor (and reference log-probs) at the sampling temperature."""
+        """Old log-probs from the actor (unless exactly on-policy), reference log-probs and
+        critic values, at the sampling temperature."""
         temp = self.cfg.rollout.temperature
-        out = self.actor.forward_outputs(batch, temp)
-        batch.old_logprobs = out.logprobs
         if self.critic is not None:
             batch.values = self.critic.forward_outputs(batch).values
-        m = {"actor/entropy_old": float(masked_mean(out.entropy, batch.response_mask))}
         if self.ref is not None:
             batch.ref_logprobs = self.ref.forward_logprobs(batch, temp)
+        if self.exactly_on_policy:
+            return {}  # the loss uses logprobs.detach() and reports the rollout mismatch itself
+        out = self.actor.forward_outputs(batch, temp)
+        batch.old_logprobs = out.logprobs
+        m = {"actor/entropy_old": float(masked_mean(out.entropy, batch.response_mask))}
+        if self.ref is not None:
             kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
             m["actor/ref_kl_k3"] = float(masked_mean(kl, batch.response_mask))
         diff = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask

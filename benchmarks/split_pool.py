@@ -1,0 +1,343 @@
+"""Benchmark: one pool that switches (hybrid) vs two pools that don't (split), same GRPO work.
+
+    python -m benchmarks.split_pool [--prompts 16] [--group 8] [--max-tokens 64] [--steps 5]
+
+Both layouts get the same devices (this machine's cores, split evenly) and run the same
+synchronous on-policy GRPO step with the project's parts (FSDP2 engine, vLLM rollout, math
+reward, GRPO advantage, actor loss):
+
+  hybrid  torchrun with 2 ranks; every rank holds an FSDP2 shard and a vLLM engine, generates
+          for half the prompts, trains on its half, then the switch streams the all-gathered
+          weights into its own engine (no copy crosses a process boundary).
+  split   a trainer process (FSDP2, world size 1) and a rollout process (vLLM), one core each,
+          verl-/OpenRLHF-style separate pools: prompts go to the rollout process, completions
+          come back, the trainer updates, and the full weights are broadcast over a gloo group
+          to the rollout process, which loads them. Nothing switches, but each pool idles while
+          the other works.
+
+Per step: generate, reward + update, weight sync, total. Writes results/split_pool.json / .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks.common import RESULTS, machine_info, write_json
+
+HERE = Path(__file__).resolve().parent
+RC = SimpleNamespace(
+    enforce_eager=True,
+    block_size=32,
+    enable_prefix_caching=True,
+    max_num_seqs=256,
+    tensor_parallel_size=1,
+    gpu_memory_utilization=0.3,
+    kv_cache_gib=0.25,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def actor_config() -> SimpleNamespace:
+    return SimpleNamespace(
+        lr=3e-5, weight_decay=0.0, betas=[0.9, 0.999], warmup_steps=0, lr_schedule="constant", min_lr_ratio=1.0,
+        grad_clip=1.0, micro_batch_size=64, max_tokens_per_micro=0, packing=True, param_dtype=None,
+        reduce_dtype="float32", logprob_chunk=1024, gradient_checkpointing=False,
+    )  # fmt: skip
+
+
+def make_prompts(tok, n: int, step: int) -> list[tuple[list[int], str]]:
+    import random
+
+    from hybrid_rl.data import synth_math
+
+    rng = random.Random(1000 + step)
+    out = []
+    for _ in range(n):
+        p = synth_math.make_problem(rng, rng.choice([1, 2, 3]))
+        msgs = [{"role": "user", "content": f"{p.question} {synth_math.INSTRUCTION}"}]
+        out.append((tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False), str(p.answer)))
+    return out
+
+
+def grpo_update(actor, tok, prompts, completions, max_tokens: int) -> dict:
+    """Reward, GRPO advantage, and one optimizer step (the same code for both layouts)."""
+    import torch
+
+    from hybrid_rl.algorithms.advantages import AdvantageInputs
+    from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss
+    from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
+    from hybrid_rl.batch import Sample, collate
+    from hybrid_rl.config import AlgorithmConfig
+    from hybrid_rl.dist import all_reduce_sum
+    from hybrid_rl.rewards.functions import math_reward
+
+    alg = AlgorithmConfig()
+    samples, scores = [], []
+    for g, ((ids, answer), comps) in enumerate(zip(prompts, completions, strict=True)):
+        for toks, lps in comps:
+            samples.append(Sample(ids, toks, lps, [1] * len(toks), "stop", g))
+            scores.append(math_reward("synth_math", tok.decode(toks, skip_special_tokens=True), answer))
+    batch = collate(samples, tok.pad_token_id)
+    mask = batch.response_mask
+    tr = torch.zeros_like(mask)
+    last = (mask.sum(-1) - 1).clamp(min=0).long()
+    tr[torch.arange(batch.size), last] = torch.tensor(scores)
+    batch.advantages, _ = ADV_ESTIMATORS[alg.adv_estimator](AdvantageInputs(tr, mask, batch.group_ids), alg)
+    n_tok, n_seq = all_reduce_sum([float(mask.sum()), float(batch.size)])
+    batch.loss_weights = agg_weights(mask, alg.loss_agg_mode, n_tok, n_seq, max_tokens)
+    m = actor.train_batch(batch, make_actor_loss(alg))
+    return {"reward": sum(scores) / len(scores), "loss": m["actor/loss"]}
+
+
+def completions_of(results) -> list[list[tuple[list[int], list[float]]]]:
+    return [[(c.token_ids, c.logprobs) for c in r.completions] for r in results]
+
+
+# ----------------------------------------------------------------------------- hybrid layout
+def hybrid(args) -> None:
+    from hybrid_rl.env import setup_process_env
+
+    setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
+    from hybrid_rl.dist import barrier, init_distributed
+    from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype
+    from hybrid_rl.hybrid.switch import HybridSwitch
+    from hybrid_rl.models.tiny import tiny_model_path
+    from hybrid_rl.rollout.base import SamplingSpec
+    from hybrid_rl.rollout.vllm_engine import VLLMRollout
+
+    ctx = init_distributed("cpu")
+    path = str(tiny_model_path(args.preset))
+    mc = SimpleNamespace(dtype=args.dtype, attn_implementation="sdpa", trust_remote_code=False)
+    actor = build_policy_engine(path, mc, actor_config(), ctx, total_steps=100)
+    engine = VLLMRollout(path, RC, args.dtype, seed=ctx.rank, device=ctx.device, max_model_len=512)
+    switch = HybridSwitch(actor, engine, sync_dtype=to_dtype(args.dtype), bucket_bytes=64 << 20, device=ctx.device)
+    tok = engine.tokenizer
+    steps = []
+    for step in range(args.steps + 1):
+        barrier()
+        t0 = time.perf_counter()
+        prompts = make_prompts(tok, args.prompts, step)[ctx.rank :: ctx.world_size]
+        spec = SamplingSpec(n=args.group, max_tokens=args.max_tokens, seed=step * 100 + ctx.rank)
+        results = engine.generate([p for p, _ in prompts], spec)
+        t1 = time.perf_counter()
+        switch.to_train()
+        m = grpo_update(actor, tok, prompts, completions_of(results), args.max_tokens)
+        t2 = time.perf_counter()
+        switch.to_rollout()
+        barrier()
+        t3 = time.perf_counter()
+        steps.append({"generate": t1 - t0, "update": t2 - t1, "sync": t3 - t2, "total": t3 - t0, **m})
+    if ctx.rank == 0:
+        Path(args.out).write_text(json.dumps(steps))
+    barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------- split layout
+def split_rollout(args) -> None:
+    """The rollout pool: a vLLM engine that generates on request and loads broadcast weights."""
+    from hybrid_rl.env import setup_process_env
+
+    setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
+    import torch
+    import torch.distributed as dist
+
+    from hybrid_rl.models.tiny import tiny_model_path
+    from hybrid_rl.rollout.base import SamplingSpec
+    from hybrid_rl.rollout.vllm_engine import VLLMRollout
+
+    engine = VLLMRollout(str(tiny_model_path(args.preset)), RC, args.dtype, seed=1, device=torch.device("cpu"), max_model_len=512)
+    conn = Client(("127.0.0.1", args.ctl_port), authkey=b"split")
+    store = dist.TCPStore("127.0.0.1", args.pg_port, 2, is_master=False, timeout=datetime.timedelta(seconds=300))
+    pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=300))
+    meta = conn.recv()  # [(name, shape, dtype)] of the full parameters, in send order
+    while True:
+        msg = conn.recv()
+        if msg[0] == "generate":
+            _, prompts, step = msg
+            spec = SamplingSpec(n=args.group, max_tokens=args.max_tokens, seed=step * 100)
+            conn.send(completions_of(engine.generate(prompts, spec)))
+        elif msg[0] == "sync":
+
+            def received():
+                for name, shape, dtype in meta:
+                    t = torch.empty(shape, dtype=getattr(torch, dtype))
+                    pg.broadcast(t, 0).wait()
+                    yield name, t
+
+            engine.load_weights(received())
+            engine.reset_prefix_cache()
+            conn.send("ok")
+        else:
+            break
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def split_trainer(args) -> None:
+    from hybrid_rl.env import setup_process_env
+
+    setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
+    import torch.distributed as dist
+
+    from hybrid_rl.dist import init_distributed
+    from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype
+    from hybrid_rl.models.tiny import tiny_model_path
+
+    ctl_port, pg_port = free_port(), free_port()
+    listener = Listener(("127.0.0.1", ctl_port), authkey=b"split")
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.split_pool",
+        "--role",
+        "split-rollout",
+        "--ctl-port",
+        str(ctl_port),
+        "--pg-port",
+        str(pg_port),
+    ]
+    cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("preset", "dtype", "group", "max-tokens")]
+    child = subprocess.Popen(cmd, cwd=HERE.parent)
+    conn = listener.accept()
+    store = dist.TCPStore("127.0.0.1", pg_port, 2, is_master=True, timeout=datetime.timedelta(seconds=300))
+    pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=300))
+    ctx = init_distributed("cpu")  # the trainer's own world of 1
+    path = str(tiny_model_path(args.preset))
+    mc = SimpleNamespace(dtype=args.dtype, attn_implementation="sdpa", trust_remote_code=False)
+    actor = build_policy_engine(path, mc, actor_config(), ctx, total_steps=100)
+    dt = to_dtype(args.dtype)
+    conn.send([(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in actor.iter_full_params(64 << 20, dt)])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    steps = []
+    for step in range(args.steps + 1):
+        t0 = time.perf_counter()
+        prompts = make_prompts(tok, args.prompts, step)
+        conn.send(("generate", [p for p, _ in prompts], step))
+        comps = conn.recv()
+        t1 = time.perf_counter()
+        m = grpo_update(actor, tok, prompts, comps, args.max_tokens)
+        t2 = time.perf_counter()
+        conn.send(("sync",))
+        for _, t in actor.iter_full_params(64 << 20, dt):
+            pg.broadcast(t.contiguous(), 0).wait()
+        assert conn.recv() == "ok"
+        t3 = time.perf_counter()
+        steps.append({"generate": t1 - t0, "update": t2 - t1, "sync": t3 - t2, "total": t3 - t0, **m})
+    conn.send(("stop",))
+    child.wait(timeout=60)
+    Path(args.out).write_text(json.dumps(steps))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--role", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--pg-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role:
+        {"hybrid": hybrid, "split-trainer": split_trainer, "split-rollout": split_rollout}[args.role](args)
+        return
+    common = [
+        f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("preset", "dtype", "prompts", "group", "max-tokens", "steps")
+    ]
+    runs = {}
+    for layout in ("hybrid", "split"):
+        out = Path(tempfile.mkstemp(suffix=".json")[1])
+        if layout == "hybrid":
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "-m",
+                "benchmarks.split_pool",
+                "--role",
+                "hybrid",
+            ]
+        else:
+            cmd = [sys.executable, "-m", "benchmarks.split_pool", "--role", "split-trainer"]
+        p = subprocess.run(
+            [*cmd, *common, "--out", str(out)], cwd=HERE.parent, capture_output=True, text=True, check=False, timeout=1800
+        )
+        if p.returncode != 0 or out.stat().st_size == 0:
+            raise SystemExit(f"{layout} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+        runs[layout] = json.loads(out.read_text())[1:]  # step 0 is warm-up
+    med = {
+        lay: {k: statistics.median(s[k] for s in steps) for k in ("generate", "update", "sync", "total")}
+        for lay, steps in runs.items()
+    }
+    for lay, m in med.items():
+        print(
+            f"{lay:>6}: step {m['total']:.2f} s = generate {m['generate']:.2f} + update {m['update']:.2f} + sync {m['sync']:.3f}"
+        )
+    ratio = med["split"]["total"] / med["hybrid"]["total"]
+    print(f"split / hybrid step time: {ratio:.2f}x")
+    path = write_json(
+        "split_pool",
+        {
+            "benchmark": "split_pool",
+            "machine": machine_info(),
+            "settings": vars(args),
+            "steps": runs,
+            "median_s": med,
+            "split_over_hybrid": ratio,
+        },
+    )
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bottom = [0.0, 0.0]
+    for k, c in (("generate", "C0"), ("update", "C1"), ("sync", "C3")):
+        vals = [med["hybrid"][k], med["split"][k]]
+        ax.barh(["hybrid (1 pool, 2 ranks)", "split (2 pools, 1 core each)"], vals, left=bottom, color=c, label=k)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_xlabel("seconds per GRPO step (median)")
+    ax.set_title(
+        f"{args.prompts} prompts x G={args.group} x {args.max_tokens} tokens, {args.preset}: split/hybrid = {ratio:.2f}x",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "split_pool.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {path} and {RESULTS / 'split_pool.png'}")
+
+
+if __name__ == "__main__":
+    main()
