@@ -9,8 +9,10 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# HYBRID_RL_BENCH_RESULTS redirects the output (the smoke tests write to a temporary folder).
+RESULTS = Path(os.environ.get("HYBRID_RL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def machine_info() -> dict:
@@ -57,3 +59,68 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def figure(figsize: tuple[float, float], ncols: int = 1):
+    """A headless matplotlib figure: ``(fig, ax)`` (or ``(fig, axes)`` with ``ncols > 1``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize) if ncols > 1 else plt.subplots(figsize=figsize)
+
+
+def save_figure(fig, name: str, grid_axis: str | None = "y") -> Path:
+    """Grid, tight layout, write ``results/<name>.png``, close."""
+    import matplotlib.pyplot as plt
+
+    if grid_axis:
+        for ax in fig.axes:
+            ax.grid(axis=grid_axis, alpha=0.3)
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rollout_config(**overrides) -> SimpleNamespace:
+    """The ``rollout`` fields VLLMRollout reads, with benchmark defaults (block size 32: the
+    smallest vLLM's CPU attention accepts)."""
+    base = dict(
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=True,
+        max_num_seqs=256,
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=0.25,
+    )
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def actor_config(**overrides) -> SimpleNamespace:
+    """The ``actor`` fields build_policy_engine reads, with benchmark defaults."""
+    base = dict(
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=[0.9, 0.999],
+        warmup_steps=0,
+        lr_schedule="constant",
+        min_lr_ratio=1.0,
+        grad_clip=1.0,
+        micro_batch_size=64,
+        max_tokens_per_micro=0,
+        packing=True,
+        param_dtype=None,
+        reduce_dtype="float32",
+        logprob_chunk=1024,
+        gradient_checkpointing=False,
+    )
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def model_config(dtype: str) -> SimpleNamespace:
+    return SimpleNamespace(dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import figure, machine_info, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = [
@@ -93,25 +93,18 @@ def main() -> None:
         },
     )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if "error" not in r]
-    fig, ax = plt.subplots(figsize=(9, 3.8))
+    if not ok:
+        raise SystemExit("every run failed; see the errors above")
+    fig, ax = figure((9, 3.8))
     ax.bar([r["recipe"].removesuffix("_math") for r in ok], [r["val_after"] for r in ok], color="C0")
     if sft is not None:
         ax.axhline(sft, color="k", ls="--", lw=1, label=f"SFT start ({sft:.3f})")
         ax.legend(fontsize=8)
     ax.set_ylabel(f"held-out greedy accuracy after {args.steps} steps")
     ax.set_ylim(min([r["val_after"] for r in ok] + [sft or 1]) - 0.05, max(r["val_after"] for r in ok) + 0.05)
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "compare_algorithms.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {path} and {RESULTS / 'compare_algorithms.png'}")
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    print(f"wrote {path} and {save_figure(fig, 'compare_algorithms')}")
 
 
 if __name__ == "__main__":

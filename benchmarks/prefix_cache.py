@@ -22,9 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import RESULTS, figure, machine_info, rollout_config, save_figure, write_json
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,15 +38,7 @@ def worker(args) -> None:
     from hybrid_rl.rollout.base import SamplingSpec
     from hybrid_rl.rollout.vllm_engine import VLLMRollout
 
-    rc = SimpleNamespace(
-        enforce_eager=True,
-        block_size=args.block_size,
-        enable_prefix_caching=args.caching == "on",
-        max_num_seqs=256,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=args.kv_cache_gib,
-    )
+    rc = rollout_config(block_size=args.block_size, enable_prefix_caching=args.caching == "on", kv_cache_gib=args.kv_cache_gib)
     max_len = max(int(x) for x in args.lengths.split(",")) + args.max_tokens
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     engine = VLLMRollout(str(tiny_model_path(args.preset)), rc, args.dtype, seed=0, device=device, max_model_len=max_len)
@@ -97,13 +88,8 @@ def worker(args) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lengths = sorted({r["L"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = figure((11, 4.2), ncols=2)
     for length in lengths:
         on = {r["G"]: r for r in rows if r["L"] == length and r["caching"] == "on" and r["mode"] == "n=G"}
         off = {r["G"]: r for r in rows if r["L"] == length and r["caching"] == "off" and r["mode"] == "n=G"}
@@ -124,14 +110,10 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1].set_ylabel("rollout time, cache off / on")
     axes[1].axhline(1, color="k", lw=0.5)
     axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.grid(alpha=0.3)
     fig.suptitle(
         f"Prefix caching for GRPO groups (n=G per prompt, {rows[0].get('device', 'cpu')}, {rows[0].get('preset', 'tiny')})"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path.stem, grid_axis="both")
 
 
 def main() -> None:

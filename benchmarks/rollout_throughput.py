@@ -16,9 +16,8 @@ import argparse
 import os
 import random
 import time
-from types import SimpleNamespace
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import figure, machine_info, rollout_config, save_figure, write_json
 
 
 def measure(args, preset: str) -> dict:
@@ -41,15 +40,7 @@ def measure(args, preset: str) -> dict:
         prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
     new_tokens = args.prompts * args.group * args.max_tokens
 
-    rc = SimpleNamespace(
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=True,
-        max_num_seqs=256,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=1.0,
-    )
+    rc = rollout_config(kv_cache_gib=1.0)
     max_len = max(len(p) for p in prompts) + args.max_tokens
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     engine = VLLMRollout(path, rc, args.dtype, seed=0, device=device, max_model_len=max_len)
@@ -143,12 +134,7 @@ def main() -> None:
     }
     path_json = write_json("rollout_throughput", payload)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = figure((6, 3.6))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["vllm_tokens_per_s"] for r in rows], 0.4, label="vLLM (n=G)")
     ax.bar([x + 0.2 for x in xs], [r["hf_tokens_per_s"] for r in rows], 0.4, label="transformers generate")
@@ -162,11 +148,7 @@ def main() -> None:
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "rollout_throughput.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {path_json} and {RESULTS / 'rollout_throughput.png'}")
+    print(f"wrote {path_json} and {save_figure(fig, 'rollout_throughput')}")
 
 
 if __name__ == "__main__":

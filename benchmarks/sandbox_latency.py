@@ -16,7 +16,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import figure, machine_info, save_figure, write_json
 
 
 def main() -> None:
@@ -73,22 +73,13 @@ def main() -> None:
         },
     )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = figure((5, 3.2))
     ax.bar([str(r["concurrency"]) for r in rows], [r["median_s"] * 1e3 for r in rows], label="sandboxed print(1), median")
     ax.axhline(bare_med * 1e3, color="k", ls="--", lw=1, label="python3 -c, no sandbox")
     ax.set_xlabel("concurrent calls")
     ax.set_ylabel("ms per call")
     ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "sandbox_latency.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    print(f"wrote {path} and {save_figure(fig, 'sandbox_latency')}")
 
 
 if __name__ == "__main__":

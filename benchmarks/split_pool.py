@@ -32,34 +32,17 @@ import tempfile
 import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
-from types import SimpleNamespace
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import actor_config, figure, machine_info, model_config, rollout_config, save_figure, write_json
 
 HERE = Path(__file__).resolve().parent
-RC = SimpleNamespace(
-    enforce_eager=True,
-    block_size=32,
-    enable_prefix_caching=True,
-    max_num_seqs=256,
-    tensor_parallel_size=1,
-    gpu_memory_utilization=0.3,
-    kv_cache_gib=0.25,
-)
+RC = rollout_config()
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def actor_config() -> SimpleNamespace:
-    return SimpleNamespace(
-        lr=3e-5, weight_decay=0.0, betas=[0.9, 0.999], warmup_steps=0, lr_schedule="constant", min_lr_ratio=1.0,
-        grad_clip=1.0, micro_batch_size=64, max_tokens_per_micro=0, packing=True, param_dtype=None,
-        reduce_dtype="float32", logprob_chunk=1024, gradient_checkpointing=False,
-    )  # fmt: skip
 
 
 def make_prompts(tok, n: int, step: int) -> list[tuple[list[int], str]]:
@@ -124,8 +107,7 @@ def hybrid(args) -> None:
 
     ctx = init_distributed("cpu")
     path = str(tiny_model_path(args.preset))
-    mc = SimpleNamespace(dtype=args.dtype, attn_implementation="sdpa", trust_remote_code=False)
-    actor = build_policy_engine(path, mc, actor_config(), ctx, total_steps=100)
+    actor = build_policy_engine(path, model_config(args.dtype), actor_config(lr=3e-5), ctx, total_steps=100)
     engine = VLLMRollout(path, RC, args.dtype, seed=ctx.rank, device=ctx.device, max_model_len=512)
     switch = HybridSwitch(actor, engine, sync_dtype=to_dtype(args.dtype), bucket_bytes=64 << 20, device=ctx.device)
     tok = engine.tokenizer
@@ -222,8 +204,7 @@ def split_trainer(args) -> None:
     pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=300))
     ctx = init_distributed("cpu")  # the trainer's own world of 1
     path = str(tiny_model_path(args.preset))
-    mc = SimpleNamespace(dtype=args.dtype, attn_implementation="sdpa", trust_remote_code=False)
-    actor = build_policy_engine(path, mc, actor_config(), ctx, total_steps=100)
+    actor = build_policy_engine(path, model_config(args.dtype), actor_config(lr=3e-5), ctx, total_steps=100)
     dt = to_dtype(args.dtype)
     conn.send([(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in actor.iter_full_params(64 << 20, dt)])
     from transformers import AutoTokenizer
@@ -315,12 +296,7 @@ def main() -> None:
         },
     )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = figure((6, 3.4))
     bottom = [0.0, 0.0]
     for k, c in (("generate", "C0"), ("update", "C1"), ("sync", "C3")):
         vals = [med["hybrid"][k], med["split"][k]]
@@ -332,11 +308,7 @@ def main() -> None:
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "split_pool.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {path} and {RESULTS / 'split_pool.png'}")
+    print(f"wrote {path} and {save_figure(fig, 'split_pool', grid_axis='x')}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import RESULTS, figure, machine_info, save_figure, write_json
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,11 +45,6 @@ def run_worker(mode: str, preset: str, dtype: str, ranks: int, repeats: int) -> 
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [f"{r['preset']}\n{r['hybrid']['params'] / 1e6:.1f}M" for r in rows]
     series = {
         "memcpy floor": [r["hybrid"]["memcpy_floor"]["median_s"] for r in rows],
@@ -57,7 +52,7 @@ def plot(rows: list[dict], path: Path) -> None:
         "to_rollout (all phases)": [r["hybrid"]["to_rollout_median_s"] for r in rows],
         "naive: save + new engine": [r["naive"]["total_s"] for r in rows],
     }
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = figure((8, 4.5))
     width = 0.2
     for i, (name, ys) in enumerate(series.items()):
         xs = [j + (i - 1.5) * width for j in range(len(rows))]
@@ -67,10 +62,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("seconds (log)")
     ax.set_title(f"Switch to rollout: hybrid vs floor vs naive ({rows[0]['hybrid']['world_size']} ranks, {rows[0]['dtype']})")
     ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path.stem)
 
 
 def main() -> None:

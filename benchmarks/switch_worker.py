@@ -14,8 +14,8 @@ import os
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
+from benchmarks.common import actor_config, model_config, rollout_config
 from hybrid_rl.env import setup_process_env
 
 setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
@@ -26,15 +26,7 @@ from hybrid_rl.engine.fsdp import to_dtype  # noqa: E402
 from hybrid_rl.models.tiny import tiny_model_path  # noqa: E402
 from hybrid_rl.rollout.base import SamplingSpec  # noqa: E402
 
-RC = SimpleNamespace(
-    enforce_eager=True,
-    block_size=32,
-    enable_prefix_caching=True,
-    max_num_seqs=32,
-    tensor_parallel_size=1,
-    gpu_memory_utilization=0.3,
-    kv_cache_gib=0.0625,
-)
+RC = rollout_config(max_num_seqs=32, kv_cache_gib=0.0625)
 
 
 def memcpy_floor(nbytes: int, repeats: int) -> dict:
@@ -64,23 +56,7 @@ def hybrid(args) -> dict:
     path = str(tiny_model_path(args.preset)) if ctx.rank == 0 else None
     barrier()
     path = str(tiny_model_path(args.preset))
-    mc = SimpleNamespace(dtype=args.dtype, attn_implementation="sdpa", trust_remote_code=False)
-    ac = SimpleNamespace(
-        lr=1e-5,
-        weight_decay=0.0,
-        betas=[0.9, 0.999],
-        warmup_steps=0,
-        lr_schedule="constant",
-        min_lr_ratio=0.1,
-        grad_clip=1.0,
-        micro_batch_size=8,
-        max_tokens_per_micro=0,
-        param_dtype=None,
-        reduce_dtype="float32",
-        logprob_chunk=1024,
-        gradient_checkpointing=False,
-    )
-    actor = build_policy_engine(path, mc, ac, ctx, total_steps=10)
+    actor = build_policy_engine(path, model_config(args.dtype), actor_config(micro_batch_size=8), ctx, total_steps=10)
     engine = VLLMRollout(path, RC, args.dtype, seed=ctx.rank, device=ctx.device, max_model_len=256)
     switch = HybridSwitch(
         actor, engine, sync_dtype=to_dtype(args.dtype), bucket_bytes=args.bucket_mb << 20, sleep_level=1, device=ctx.device
@@ -153,7 +129,8 @@ def naive(args) -> dict:
                 b.write(a.read())
     os.sync()
     t1 = time.perf_counter()
-    engine = VLLMRollout(tmp, RC, args.dtype, seed=0, device=torch.device("cpu"), max_model_len=256)
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    engine = VLLMRollout(tmp, RC, args.dtype, seed=0, device=dev, max_model_len=256)
     t2 = time.perf_counter()
     engine.generate([[1, 2, 3, 4]], SamplingSpec(n=1, max_tokens=1))
     t3 = time.perf_counter()

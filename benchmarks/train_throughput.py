@@ -20,7 +20,7 @@ import os
 import random
 import time
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import actor_config, figure, machine_info, model_config, save_figure, write_json
 
 
 def main() -> None:
@@ -37,8 +37,6 @@ def main() -> None:
     from hybrid_rl.env import setup_process_env
 
     setup_process_env(threads_per_rank=os.cpu_count() or 1)
-    from types import SimpleNamespace
-
     from hybrid_rl.batch import Sample, collate
     from hybrid_rl.dist import init_distributed
     from hybrid_rl.engine.fsdp import build_policy_engine
@@ -62,7 +60,7 @@ def main() -> None:
     def loss_fn(out, mb):
         return -(out.logprobs * mb.response_mask).sum() / n_resp * 1e-3, {}
 
-    mc = SimpleNamespace(dtype="float32", attn_implementation="sdpa", trust_remote_code=False)
+    mc = model_config("float32")
     rows = []
     for name, packing, budget in (
         ("padded", False, 0),
@@ -70,11 +68,9 @@ def main() -> None:
         ("packed", True, 0),
         ("packed+budget", True, args.token_budget),
     ):
-        ac = SimpleNamespace(
-            lr=1e-6, weight_decay=0.0, betas=[0.9, 0.999], warmup_steps=0, lr_schedule="constant", min_lr_ratio=1.0,
-            grad_clip=1.0, micro_batch_size=args.micro, max_tokens_per_micro=budget, packing=packing,
-            param_dtype=args.param_dtype if args.param_dtype != "null" else None, reduce_dtype="float32",
-            logprob_chunk=1024, gradient_checkpointing=False,
+        ac = actor_config(
+            lr=1e-6, micro_batch_size=args.micro, max_tokens_per_micro=budget, packing=packing,
+            param_dtype=args.param_dtype if args.param_dtype != "null" else None,
         )  # fmt: skip
         engine = build_policy_engine(path, mc, ac, ctx, total_steps=100)
         engine.train_batch(batch, loss_fn)  # warm-up
@@ -114,12 +110,7 @@ def main() -> None:
         "train_throughput", {"benchmark": "train_throughput", "machine": machine_info(), "settings": vars(args), "result": result}
     )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = figure((6, 3.6))
     ax.bar([r["layout"] for r in rows], [r["tokens_per_s"] for r in rows], color=["C1", "C1", "C0", "C0"])
     for i, r in enumerate(rows):
         ax.text(
@@ -133,11 +124,7 @@ def main() -> None:
     ax.set_ylabel("trained tokens / s (fwd + bwd + step)")
     ax.set_title(f"Training throughput, {args.rows} variable-length rows ({args.preset})", fontsize=9)
     ax.margins(y=0.2)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "train_throughput.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {path_json} and {RESULTS / 'train_throughput.png'}")
+    print(f"wrote {path_json} and {save_figure(fig, 'train_throughput')}")
 
 
 if __name__ == "__main__":

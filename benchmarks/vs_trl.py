@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import figure, machine_info, save_figure, write_json
 
 HERE = Path(__file__).resolve().parent
 DEPS = HERE / ".deps"
@@ -122,7 +122,7 @@ def run_hybrid(args, ranks: int) -> list[float]:
     out = Path(tempfile.mkdtemp(prefix=f"hybrid-{ranks}-"))
     cmd = [
         sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math",
-        f"model.path=builtin:{args.preset}", f"trainer.nproc_per_node={ranks}", f"trainer.output_dir={out}",
+        "model.path=builtin:tiny", f"model.preset={args.preset}", f"trainer.nproc_per_node={ranks}", f"trainer.output_dir={out}",
         f"trainer.total_steps={args.steps}", "trainer.val_every=0", "trainer.val_before_train=false",
         "trainer.save_every=0", "logger.progress_bar=false",
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}", f"rollout.max_response_length={args.max_tokens}",
@@ -176,12 +176,7 @@ def main() -> None:
     }
     path = write_json("vs_trl", payload)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = figure((5.5, 3.6))
     names = list(med)
     ax.bar(names, [med[k] for k in names], color=["C1", "C0", "C0"])
     for i, k in enumerate(names):
@@ -193,11 +188,7 @@ def main() -> None:
         f"Same GRPO step: {args.prompts} prompts x G={args.group} x {args.max_tokens} tokens ({args.preset}, CPU)", fontsize=9
     )
     ax.margins(y=0.2)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "vs_trl.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {path} and {RESULTS / 'vs_trl.png'}")
+    print(f"wrote {path} and {save_figure(fig, 'vs_trl')}")
 
 
 if __name__ == "__main__":

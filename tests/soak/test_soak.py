@@ -36,7 +36,7 @@ def test_long_grpo_run_stays_flat(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "sys/rss_mib" in r]
     assert len(rows) == STEPS and rows[-1]["weights_version"] >= STEPS  # >= 2 * STEPS switches
-    early, late = (20, 30), (STEPS - 10, STEPS)
+    early, late = (45, 55), (STEPS - 10, STEPS)  # steady state: after allocator and cache warm-up
     figures = {
         k: (window(rows, k, *early), window(rows, k, *late))
         for k in ("sys/rss_mib", "sys/open_fds", "sys/threads", "sys/child_procs")

@@ -1,0 +1,80 @@
+"""Every benchmark script runs end to end at toy sizes and writes its JSON and PNG (the figures
+themselves come from `make bench`; these runs only guard the scripts against rot)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+CASES = {
+    "prefix_cache": ["--groups", "1,4", "--lengths", "40", "--prompts", "2", "--max-tokens", "4", "--preset", "micro"],
+    "rollout_throughput": ["--presets", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--repeats", "1"],
+    "train_throughput": [
+        "--preset",
+        "micro",
+        "--rows",
+        "8",
+        "--micro",
+        "4",
+        "--token-budget",
+        "256",
+        "--max-response",
+        "24",
+        "--repeats",
+        "1",
+    ],
+    "switch_overhead": ["--presets", "micro", "--repeats", "1"],
+    "split_pool": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "1"],
+    "sandbox_latency": ["--runs", "4", "--concurrency", "1,2"],
+}
+SLOW = {
+    "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2"],
+    "compare_algorithms": [
+        "--steps",
+        "1",
+        "--recipes",
+        "grpo_math,rloo_math",
+        "model.path=builtin:tiny",
+        "model.preset=micro",
+        "data.train_batch_size=4",
+        "rollout.max_response_length=8",
+        "data.val_size=8",
+    ],
+}
+
+
+def run(name: str, args: list[str], out: Path) -> dict:
+    env = {**os.environ, "HYBRID_RL_BENCH_RESULTS": str(out)}
+    p = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs(name, tmp_path):
+    if name == "sandbox_latency" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    d = run(name, CASES[name], tmp_path)
+    assert d["machine"]["torch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_slow_benchmark_runs(name, tmp_path):
+    run(name, SLOW[name], tmp_path)
