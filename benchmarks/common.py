@@ -9,7 +9,6 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 # HYBRID_RL_BENCH_RESULTS redirects the output (the smoke tests write to a temporary folder).
 RESULTS = Path(os.environ.get("HYBRID_RL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
@@ -86,41 +85,21 @@ def save_figure(fig, name: str, grid_axis: str | None = "y") -> Path:
     return path
 
 
-def rollout_config(**overrides) -> SimpleNamespace:
-    """The ``rollout`` fields VLLMRollout reads, with benchmark defaults (block size 32: the
-    smallest vLLM's CPU attention accepts)."""
-    base = dict(
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=True,
-        max_num_seqs=256,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=0.25,
-    )
-    return SimpleNamespace(**{**base, **overrides})
+def rollout_config(**overrides):
+    """The project's ``RolloutConfig`` with benchmark defaults (30% of a GPU per engine)."""
+    from hybrid_rl.config import RolloutConfig
+
+    return RolloutConfig(**{"gpu_memory_utilization": 0.3, **overrides})
 
 
-def actor_config(**overrides) -> SimpleNamespace:
-    """The ``actor`` fields build_policy_engine reads, with benchmark defaults."""
-    base = dict(
-        lr=1e-5,
-        weight_decay=0.0,
-        betas=[0.9, 0.999],
-        warmup_steps=0,
-        lr_schedule="constant",
-        min_lr_ratio=1.0,
-        grad_clip=1.0,
-        micro_batch_size=64,
-        max_tokens_per_micro=0,
-        packing=True,
-        param_dtype=None,
-        reduce_dtype="float32",
-        logprob_chunk=1024,
-        gradient_checkpointing=False,
-    )
-    return SimpleNamespace(**{**base, **overrides})
+def actor_config(**overrides):
+    """The project's ``ActorConfig`` (constant LR, no decay floor) for benchmark engines."""
+    from hybrid_rl.config import ActorConfig
+
+    return ActorConfig(**{"min_lr_ratio": 1.0, "micro_batch_size": 64, **overrides})
 
 
-def model_config(dtype: str) -> SimpleNamespace:
-    return SimpleNamespace(dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
+def model_config(dtype: str):
+    from hybrid_rl.config import ModelConfig
+
+    return ModelConfig(dtype=dtype, attn_implementation="sdpa")

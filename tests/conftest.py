@@ -47,19 +47,10 @@ def tokenizer(tiny_path):
 @pytest.fixture(scope="session")
 def vllm_engine(ctx, tiny_path):
     """The session's one real vLLM engine (in-process, CPU), on the tiny model in fp32."""
-    from types import SimpleNamespace
-
+    from hybrid_rl.config import RolloutConfig
     from hybrid_rl.rollout.vllm_engine import VLLMRollout
 
-    cfg = SimpleNamespace(
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=True,
-        max_num_seqs=256,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.5,
-        kv_cache_gib=0.25,
-    )
+    cfg = RolloutConfig(block_size=32, kv_cache_gib=0.25)
     return VLLMRollout(tiny_path, cfg, "float32", seed=0, device=ctx.device, max_model_len=512)
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 from hybrid_rl.env import setup_process_env
 
@@ -23,6 +22,7 @@ setup_process_env(threads_per_rank=1)
 
 from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss  # noqa: E402
 from hybrid_rl.batch import Sample, collate  # noqa: E402
+from hybrid_rl.config import ActorConfig, ModelConfig, RolloutConfig  # noqa: E402
 from hybrid_rl.dist import all_reduce_max, barrier, init_distributed  # noqa: E402
 from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype  # noqa: E402
 from hybrid_rl.hybrid.switch import HybridSwitch  # noqa: E402
@@ -59,33 +59,10 @@ def max_diff(a, b) -> float:
 
 
 def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
-    mc = SimpleNamespace(dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
-    ac = SimpleNamespace(
-        lr=3e-3,
-        weight_decay=0.0,
-        betas=[0.9, 0.999],
-        warmup_steps=0,
-        lr_schedule="constant",
-        min_lr_ratio=0.1,
-        grad_clip=1.0,
-        micro_batch_size=8,
-        max_tokens_per_micro=0,
-        packing=True,
-        param_dtype=None,
-        reduce_dtype="float32",
-        logprob_chunk=1024,
-        gradient_checkpointing=False,
-    )
+    mc = ModelConfig(dtype=dtype, attn_implementation="sdpa")
+    ac = ActorConfig(lr=3e-3, micro_batch_size=8, packing=True)
     actor = build_policy_engine(path, mc, ac, ctx, total_steps=10)
-    rc = SimpleNamespace(
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=True,
-        max_num_seqs=64,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=0.125,
-    )
+    rc = RolloutConfig(block_size=32, max_num_seqs=64, gpu_memory_utilization=0.3, kv_cache_gib=0.125)
     engine = VLLMRollout(path, rc, dtype, seed=ctx.rank, device=ctx.device, max_model_len=256)
     KEEP_ALIVE.extend([engine, actor])
     tok = engine.tokenizer

@@ -71,26 +71,11 @@ def test_chunked_logprobs_equal_naive():
 
 
 def _engine(ctx, path, micro):
-    from types import SimpleNamespace
-
+    from hybrid_rl.config import ActorConfig, ModelConfig
     from hybrid_rl.engine.fsdp import build_policy_engine
 
-    mc = SimpleNamespace(dtype="float32", attn_implementation="sdpa", trust_remote_code=False)
-    ac = SimpleNamespace(
-        lr=1e-3,
-        weight_decay=0.0,
-        betas=[0.9, 0.999],
-        warmup_steps=0,
-        lr_schedule="constant",
-        min_lr_ratio=0.1,
-        grad_clip=1.0,
-        micro_batch_size=micro,
-        max_tokens_per_micro=0,
-        param_dtype=None,
-        reduce_dtype="float32",
-        logprob_chunk=7,
-        gradient_checkpointing=False,
-    )
+    mc = ModelConfig(dtype="float32", attn_implementation="sdpa")
+    ac = ActorConfig(lr=1e-3, micro_batch_size=micro, logprob_chunk=7, packing=False)
     return build_policy_engine(path, mc, ac, ctx, total_steps=10)
 
 
