@@ -224,8 +224,10 @@ class PreferenceConfig:
     # Responses per ranked list (listwise); pairs use 2.
     list_size: int = 4
     # Building the default preference set from the SFT model: prompts used, answers sampled per prompt.
-    n_prompts: int = 1500
+    n_prompts: int = 3000
     samples_per_prompt: int = 8
+    # Distinct (correct, incorrect) pairs taken per prompt from those answers.
+    pairs_per_prompt: int = 4
     # Held-out share of the built preference set.
     val_fraction: float = 0.1
 

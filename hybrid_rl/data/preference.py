@@ -73,12 +73,21 @@ def load_preferences(files: list[Path], tokenizer: Any, cfg: Any, kind: str = "p
 
 
 def build_synthetic_preferences(
-    model_path: str, engine: Any, tokenizer: Any, prompts: list[Any], pool: Any, samples: int, list_size: int, seed: int
+    model_path: str,
+    engine: Any,
+    tokenizer: Any,
+    prompts: list[Any],
+    pool: Any,
+    samples: int,
+    list_size: int,
+    seed: int,
+    pairs_per_prompt: int = 1,
 ) -> list[dict]:
     """Rows from the model's own answers: for each prompt, ``samples`` answers scored by the math
-    verifier; a pair takes one correct (chosen) and one incorrect (rejected) answer; a ranked list
-    takes ``list_size`` answers, correct ones ranked 0 and incorrect ones 1. Prompts whose answers
-    are all right or all wrong give no row."""
+    verifier; a pair takes one correct (chosen) and one incorrect (rejected) answer, up to
+    ``pairs_per_prompt`` distinct pairs per prompt; a ranked list takes ``list_size`` answers,
+    correct ones ranked 0 and incorrect ones 1 (the same list on each of a prompt's rows).
+    Prompts whose answers are all right or all wrong give no row."""
     from hybrid_rl.rollout.base import SamplingSpec
 
     rng = random.Random(seed)
@@ -98,23 +107,35 @@ def build_synthetic_preferences(
         bad = sorted({t for t, ok in answers if not ok})
         if not good or not bad:
             continue
-        chosen, rejected = rng.choice(good), rng.choice(bad)
+        combos = [(g, b) for g in good for b in bad]
+        rng.shuffle(combos)
         k_good = min(len(good), max(1, list_size // 2))
         picks = [(t, 0) for t in rng.sample(good, k_good)] + [(t, 1) for t in rng.sample(bad, min(len(bad), list_size - k_good))]
         if len(picks) < list_size:
             continue
         rng.shuffle(picks)
-        rows.append(
-            {
-                "prompt": prompts[i].messages,
-                "chosen": chosen,
-                "rejected": rejected,
-                "responses": [t for t, _ in picks],
-                "ranks": [r for _, r in picks],
-                "data_source": prompts[i].data_source,
-            }
-        )
+        for chosen, rejected in combos[:pairs_per_prompt]:
+            rows.append(
+                {
+                    "prompt": prompts[i].messages,
+                    "chosen": chosen,
+                    "rejected": rejected,
+                    "responses": [t for t, _ in picks],
+                    "ranks": [r for _, r in picks],
+                    "data_source": prompts[i].data_source,
+                }
+            )
     return rows
+
+
+def split_by_prompt(rows: list[dict], val_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, val) with every prompt's rows on one side only (no prompt leaks into validation)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(json.dumps(r["prompt"], sort_keys=True), []).append(r)
+    keys = list(groups)
+    n_val = max(1, int(len(keys) * val_fraction))
+    return [r for k in keys[n_val:] for r in groups[k]], [r for k in keys[:n_val] for r in groups[k]]
 
 
 def synthetic_preference_dir(model_path: str, settings: dict) -> Path:

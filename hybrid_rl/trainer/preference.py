@@ -23,6 +23,7 @@ from hybrid_rl.data.preference import (
     PreferenceExample,
     build_synthetic_preferences,
     load_preferences,
+    split_by_prompt,
     synthetic_preference_dir,
 )
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, barrier
@@ -45,6 +46,7 @@ def preference_files(cfg: Any, ctx: DistContext, model_path: str, tok: Any) -> t
     settings = {
         "n": pr.n_prompts,
         "k": pr.samples_per_prompt,
+        "pairs": pr.pairs_per_prompt,
         "list": pr.list_size,
         "val": pr.val_fraction,
         "seed": cfg.trainer.seed,
@@ -57,10 +59,10 @@ def preference_files(cfg: Any, ctx: DistContext, model_path: str, tok: Any) -> t
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            n_val = max(1, int(len(rows) * pr.val_fraction))
+            train, val = split_by_prompt(rows, pr.val_fraction)
             out.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.Table.from_pylist(rows[n_val:]), out / "train.parquet")
-            pq.write_table(pa.Table.from_pylist(rows[:n_val]), out / "val.parquet")
+            pq.write_table(pa.Table.from_pylist(train), out / "train.parquet")
+            pq.write_table(pa.Table.from_pylist(val), out / "val.parquet")
         barrier()
     return [out / "train.parquet"], [out / "val.parquet"]
 
@@ -83,6 +85,7 @@ def _generate_preference_rows(cfg: Any, ctx: DistContext, model_path: str, tok: 
             pr.samples_per_prompt,
             pr.list_size,
             cfg.trainer.seed + ctx.rank,
+            pr.pairs_per_prompt,
         )
     finally:
         pool.close()

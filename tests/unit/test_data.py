@@ -132,3 +132,13 @@ def test_sampler_is_deterministic_and_resumable():
     assert all(len(x) == 4 for x in seq)
     with pytest.raises(DataError, match="train_batch_size"):
         PromptSampler(3, 4, seed=0)
+
+
+def test_preference_split_keeps_each_prompt_on_one_side():
+    from hybrid_rl.data.preference import split_by_prompt
+
+    rows = [{"prompt": [{"role": "user", "content": f"q{i // 3}"}], "chosen": f"c{i}", "rejected": "r"} for i in range(30)]
+    train, val = split_by_prompt(rows, 0.2)
+    assert len(train) + len(val) == 30 and len(val) == 6
+    val_prompts = {r["prompt"][0]["content"] for r in val}
+    assert not val_prompts & {r["prompt"][0]["content"] for r in train}
