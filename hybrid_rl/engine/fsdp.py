@@ -179,7 +179,7 @@ class FSDPEngine:
             (loss * self.ctx.world_size).backward()
             total_loss += float(loss.detach())
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, torch.Tensor) else v)
         metrics = {k: v / len(mbs) for k, v in sums.items()}
         metrics["actor/loss"] = total_loss
         metrics = mean_over_ranks(metrics)

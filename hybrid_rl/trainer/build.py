@@ -52,7 +52,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 def recipe_cache_key(recipe_cfg: Any) -> str:
     """Hash of what determines a built model (model, data, actor, agent, preference, steps, seed)."""
-    parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in ("model", "data", "actor", "preference")}
+    groups = ("model", "data", "actor") + (("preference",) if recipe_cfg.trainer.task in ("dpo", "rm") else ())
+    parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in groups}
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
     parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
