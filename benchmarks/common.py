@@ -53,6 +53,12 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> dict:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": xs}
 
 
+def load_result(name: str) -> dict | None:
+    """``results/<name>.json`` if a benchmark has written it."""
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

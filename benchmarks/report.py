@@ -6,15 +6,9 @@ python -m benchmarks.report switch     # one section
 
 from __future__ import annotations
 
-import json
 import sys
 
-from benchmarks.common import RESULTS
-
-
-def load(name: str) -> dict | None:
-    p = RESULTS / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
+from benchmarks.common import load_result
 
 
 def switch(d: dict) -> str:
@@ -123,7 +117,7 @@ FILES = {
 def main() -> None:
     names = sys.argv[1:] or list(SECTIONS)
     for name in names:
-        d = load(FILES[name])
+        d = load_result(FILES[name])
         if d is not None:
             print(f"<!-- {name} -->\n{SECTIONS[name](d)}\n")
 

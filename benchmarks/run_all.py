@@ -10,26 +10,20 @@ targets of the project's benchmark issue.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import load_result, machine_info, write_json
 
 ALL = ["switch_overhead", "split_pool", "prefix_cache", "rollout_throughput", "train_throughput", "vs_trl", "sandbox_latency"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load(name: str) -> dict | None:
-    p = RESULTS / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
-
-
 def summary() -> list[dict]:
     rows = []
-    if d := load("switch_overhead"):
+    if d := load_result("switch_overhead"):
         for r in d["rows"]:
             big = r["hybrid"]["params"] >= 50e6
             rows.append(
@@ -48,7 +42,7 @@ def summary() -> list[dict]:
                     "met": r["naive_over_switch"] >= 20,
                 }
             )
-    if d := load("split_pool"):
+    if d := load_result("split_pool"):
         rows.append(
             {
                 "figure": "split-pool step / hybrid step (same cores)",
@@ -57,7 +51,7 @@ def summary() -> list[dict]:
                 "met": None,
             }
         )
-    if d := load("prefix_cache"):
+    if d := load_result("prefix_cache"):
         for s in d["summary"]:
             if s["G"] == 8 and s["mode"] == "n=G":
                 rows.append(
@@ -68,7 +62,7 @@ def summary() -> list[dict]:
                         "met": s["computed_on_over_off"] <= 1.1 / 8,
                     }
                 )
-    if d := load("rollout_throughput"):
+    if d := load_result("rollout_throughput"):
         for r in d["rows"]:
             rows.append(
                 {
@@ -78,7 +72,7 @@ def summary() -> list[dict]:
                     "met": r["vllm_over_hf"] >= 5,
                 }
             )
-    if d := load("train_throughput"):
+    if d := load_result("train_throughput"):
         r = {x["layout"]: x for x in d["result"]["rows"]}
         rows.append(
             {
@@ -96,7 +90,7 @@ def summary() -> list[dict]:
                 "met": r["packed+budget"]["speedup_over_padded"] >= 1.5,
             }
         )
-    if d := load("vs_trl"):
+    if d := load_result("vs_trl"):
         for k, v in d["trl_over_hybrid"].items():
             rows.append({"figure": f"TRL step / {k} step", "measured": v, "target": ">= 3", "met": v >= 3})
     return rows

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,20 @@ class OptimConfig:
     min_lr_ratio: float
     total_steps: int
     grad_clip: float
+
+    @classmethod
+    def from_actor(cls, actor_cfg: Any, total_steps: int) -> OptimConfig:
+        """The optimizer and schedule an ``actor`` config section describes."""
+        return cls(
+            lr=actor_cfg.lr,
+            weight_decay=actor_cfg.weight_decay,
+            betas=tuple(actor_cfg.betas),
+            warmup_steps=actor_cfg.warmup_steps,
+            schedule=actor_cfg.lr_schedule,
+            min_lr_ratio=actor_cfg.min_lr_ratio,
+            total_steps=total_steps,
+            grad_clip=actor_cfg.grad_clip,
+        )
 
 
 def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
@@ -369,22 +384,10 @@ def build_policy_engine(
     lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
     if trainable and actor_cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optim = None
-    if trainable:
-        optim = OptimConfig(
-            lr=actor_cfg.lr,
-            weight_decay=actor_cfg.weight_decay,
-            betas=tuple(actor_cfg.betas),
-            warmup_steps=actor_cfg.warmup_steps,
-            schedule=actor_cfg.lr_schedule,
-            min_lr_ratio=actor_cfg.min_lr_ratio,
-            total_steps=total_steps,
-            grad_clip=actor_cfg.grad_clip,
-        )
     return FSDPEngine(
-        PolicyModule(lm, actor_cfg.logprob_chunk, getattr(actor_cfg, "packing", False)),
+        PolicyModule(lm, actor_cfg.logprob_chunk, actor_cfg.packing),
         ctx,
-        optim,
+        OptimConfig.from_actor(actor_cfg, total_steps) if trainable else None,
         micro_batch_size=actor_cfg.micro_batch_size,
         max_tokens_per_micro=actor_cfg.max_tokens_per_micro,
         param_dtype=to_dtype(actor_cfg.param_dtype),
@@ -398,7 +401,7 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
 
     dtype = to_dtype(model_cfg.dtype)
     lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
-    module = ValueModule(lm.model, lm.config.hidden_size, getattr(actor_cfg, "packing", False)).to(dtype)
+    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing).to(dtype)
     optim = OptimConfig(
         lr=critic_cfg.lr,
         weight_decay=actor_cfg.weight_decay,

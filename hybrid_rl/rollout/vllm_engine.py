@@ -131,8 +131,8 @@ class VLLMRollout:
         return self.llm.get_tokenizer()
 
     def _prefix_counters(self) -> tuple[int, int]:
-        m = self.llm.get_metrics()
-        return _counter(m, PREFIX_QUERIES), _counter(m, PREFIX_HITS)
+        c = self.counters()
+        return c["prefix_cache_queries"], c["prefix_cache_hits"]
 
     def counters(self) -> dict[str, int]:
         """vLLM's cumulative token counters: prompt tokens scheduled, of them served from the

@@ -203,22 +203,10 @@ def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int,
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, attn_implementation="sdpa")
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     a = cfg.actor
-    optim = None
-    if trainable:
-        optim = OptimConfig(
-            lr=a.lr,
-            weight_decay=a.weight_decay,
-            betas=tuple(a.betas),
-            warmup_steps=a.warmup_steps,
-            schedule=a.lr_schedule,
-            min_lr_ratio=a.min_lr_ratio,
-            total_steps=total_steps,
-            grad_clip=a.grad_clip,
-        )
     return FSDPEngine(
         RewardModule(model),
         ctx,
-        optim,
+        OptimConfig.from_actor(a, total_steps) if trainable else None,
         micro_batch_size=a.micro_batch_size,
         param_dtype=to_dtype(a.param_dtype),
         reduce_dtype=to_dtype(a.reduce_dtype),
