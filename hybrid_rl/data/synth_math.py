@@ -21,6 +21,7 @@ splits come from separate seeded streams and share no question text.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -171,7 +172,9 @@ def write_splits(out_dir: str | Path, n_train: int, n_val: int, seed: int, level
     paths = {}
     for split, rows in (("train", train), ("val", val)):
         path = out / f"{split}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
+        # A name of this process's own: ranks that find an empty cache at once each write their
+        # copy (the same rows) and the atomic rename makes the last one win.
+        tmp = path.with_suffix(f".parquet.{os.getpid()}.tmp")
         pq.write_table(pa.Table.from_pylist(rows), tmp)
         tmp.replace(path)
         paths[split] = path
