@@ -98,14 +98,16 @@ def rollout_config(**overrides):
     return RolloutConfig(**{"gpu_memory_utilization": 0.3, **overrides})
 
 
-def actor_config(**overrides):
-    """The project's ``ActorConfig`` (constant LR, no decay floor) for benchmark engines."""
+def actor_config(dtype: str = "float32", **overrides):
+    """The project's ``ActorConfig`` (constant LR, no decay floor) for benchmark engines: fp32
+    master weights, computing in ``dtype``."""
     from hybrid_rl.config import ActorConfig
 
-    return ActorConfig(**{"min_lr_ratio": 1.0, "micro_batch_size": 64, **overrides})
+    compute = None if dtype == "float32" else dtype
+    return ActorConfig(**{"min_lr_ratio": 1.0, "micro_batch_size": 64, "param_dtype": compute, **overrides})
 
 
-def model_config(dtype: str):
+def model_config():
     from hybrid_rl.config import ModelConfig
 
-    return ModelConfig(dtype=dtype, attn_implementation="sdpa")
+    return ModelConfig(attn_implementation="sdpa")

@@ -107,7 +107,7 @@ def hybrid(args) -> None:
 
     ctx = init_distributed("cpu")
     path = str(tiny_model_path(args.preset))
-    actor = build_policy_engine(path, model_config(args.dtype), actor_config(lr=3e-5), ctx, total_steps=100)
+    actor = build_policy_engine(path, model_config(), actor_config(args.dtype, lr=3e-5), ctx, total_steps=100)
     engine = VLLMRollout(path, RC, args.dtype, seed=ctx.rank, device=ctx.device, max_model_len=512)
     switch = HybridSwitch(actor, engine, sync_dtype=to_dtype(args.dtype), bucket_bytes=64 << 20, device=ctx.device)
     tok = engine.tokenizer
@@ -204,7 +204,7 @@ def split_trainer(args) -> None:
     pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=300))
     ctx = init_distributed("cpu")  # the trainer's own world of 1
     path = str(tiny_model_path(args.preset))
-    actor = build_policy_engine(path, model_config(args.dtype), actor_config(lr=3e-5), ctx, total_steps=100)
+    actor = build_policy_engine(path, model_config(), actor_config(args.dtype, lr=3e-5), ctx, total_steps=100)
     dt = to_dtype(args.dtype)
     conn.send([(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in actor.iter_full_params(64 << 20, dt)])
     from transformers import AutoTokenizer

@@ -56,7 +56,7 @@ def hybrid(args) -> dict:
     path = str(tiny_model_path(args.preset)) if ctx.rank == 0 else None
     barrier()
     path = str(tiny_model_path(args.preset))
-    actor = build_policy_engine(path, model_config(args.dtype), actor_config(micro_batch_size=8), ctx, total_steps=10)
+    actor = build_policy_engine(path, model_config(), actor_config(args.dtype, micro_batch_size=8), ctx, total_steps=10)
     engine = VLLMRollout(path, RC, args.dtype, seed=ctx.rank, device=ctx.device, max_model_len=256)
     switch = HybridSwitch(
         actor, engine, sync_dtype=to_dtype(args.dtype), bucket_bytes=args.bucket_mb << 20, sleep_level=1, device=ctx.device

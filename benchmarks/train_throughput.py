@@ -60,7 +60,7 @@ def main() -> None:
     def loss_fn(out, mb):
         return -(out.logprobs * mb.response_mask).sum() / n_resp * 1e-3, {}
 
-    mc = model_config("float32")
+    mc = model_config()
     rows = []
     for name, packing, budget in (
         ("padded", False, 0),

@@ -74,6 +74,7 @@ class TrainBatch:
     advantages: Tensor | None = None  # [B, R]
     loss_weights: Tensor | None = None  # [B, R] aggregation weights (see algorithms.losses.agg_weights)
     ref_seq_logprobs: Tensor | None = None  # [B] DPO: reference log-prob of each row's response, summed
+    truncated: Tensor | None = None  # [B] bool: cut at the length limit (masked from the loss after advantages)
     weights_version: int = 0
 
     @property

@@ -30,8 +30,9 @@ class ModelConfig:
     sft_recipe: str = "sft_math"
     # Preset for builtin models: micro | tiny | small | base.
     preset: str = "tiny"
-    # Parameter dtype of the training engine's master weights and of the rollout engine.
-    dtype: str = "float32"
+    # Removed: master weights and optimizer state are always fp32. Set the training compute dtype
+    # with actor.param_dtype and the rollout engine's with rollout.dtype (validate() says so).
+    dtype: str | None = None
     # HF attention kernel for training: sdpa (CPU and CUDA), flash_attention_2 (CUDA, if installed), eager.
     attn_implementation: str = "auto"
     trust_remote_code: bool = False
@@ -95,9 +96,13 @@ class AgentConfig:
 class RolloutConfig:
     # Group size G: samples per prompt, drawn with SamplingParams(n=G) so they share the prompt's KV.
     n: int = 8
+    # Sampling temperature for training rollouts (> 0; greedy validation is separate).
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # The rollout engine's weights/compute dtype (float32 | bfloat16); weights are cast to it
+    # on every sync. Independent of the trainer's fp32 master weights.
+    dtype: str = "float32"
     # Maximum new tokens per response (per turn budget for multi-turn).
     max_response_length: int = 64
     # KV cache per engine, GiB (CPU: allocated at start; CUDA: fraction below wins if > 0).
@@ -143,7 +148,8 @@ class ActorConfig:
     # old = logprobs.detach() inside the loss gives the same gradient (as TRL with
     # num_iterations=1). "always" recomputes them before the update (verl's behaviour).
     recompute_old_logprobs: str = "auto"
-    # Mixed precision: compute dtype for params (null = model.dtype) and for gradient reduction.
+    # Mixed precision (FSDP2 MixedPrecisionPolicy): the compute dtype of the forward/backward
+    # (null = fp32) and of gradient reduction. Master weights and AdamW state stay fp32.
     param_dtype: str | None = None
     reduce_dtype: str = "float32"
     # Token chunk for the log-prob head, bounding (T, V) memory for big vocabularies.
@@ -210,6 +216,9 @@ class CriticConfig:
     # Clip of the value update around the old values (null = plain squared error).
     cliprange_value: float | None = 0.5
     value_loss_coef: float = 1.0
+    # Aggregation of the value loss over tokens (same modes as algorithm.loss_agg_mode; verl's
+    # critic uses token-mean whatever the actor's mode).
+    loss_agg_mode: str = "token-mean"
     # Steps at the start that train only the critic (the actor waits for useful values).
     warmup_steps: int = 0
 
@@ -353,6 +362,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         problems.append("actor.max_tokens_per_micro must be 0 for dpo/rm (micro-batches keep pairs and lists together)")
     if a.loss_agg_mode not in LOSS_AGG_MODES:
         problems.append(f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
+    if cfg.critic.loss_agg_mode not in LOSS_AGG_MODES:
+        problems.append(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
     if act.recompute_old_logprobs not in ("auto", "always"):
         problems.append(f"actor.recompute_old_logprobs={act.recompute_old_logprobs!r} must be auto or always")
     if t.task == "rl":
@@ -360,11 +371,19 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} is unknown; known: {', '.join(sorted(ADV_ESTIMATORS))}")
         if a.policy_loss not in POLICY_LOSSES:
             problems.append(f"algorithm.policy_loss={a.policy_loss!r} is unknown; known: {', '.join(sorted(POLICY_LOSSES))}")
-        if a.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and r.n < 2:
+        needs = ADV_ESTIMATORS.needs.get(a.adv_estimator, frozenset())
+        if "group" in needs and r.n < 2:
             problems.append(
                 f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
-                + (" (and std normalisation divides by a group's std)" if a.norm_adv_by_std else "")
+                " (with one sample per prompt every advantage is 0)"
             )
+        if r.temperature <= 0:
+            problems.append(
+                f"rollout.temperature={r.temperature} must be > 0 for training rollouts (greedy samples have no "
+                "sampling log-probs; greedy validation is always run)"
+            )
+        if not 0 < r.top_p <= 1 or r.top_k == 0 or r.top_k < -1:
+            problems.append(f"rollout.top_p={r.top_p} must be in (0, 1] and rollout.top_k={r.top_k} -1 (off) or >= 1")
         tp = r.tensor_parallel_size
         if tp < 1 or world_size % tp:
             problems.append(f"rollout.tensor_parallel_size={tp} must divide the {world_size} ranks")
@@ -390,10 +409,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             problems.append("algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0")
         if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
             problems.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)")
-        if a.adv_estimator == "gae" and not cfg.critic.enable:
-            problems.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true")
-        if a.adv_estimator == "remax" and not a.greedy_baseline:
-            problems.append("algorithm.adv_estimator=remax needs algorithm.greedy_baseline=true")
+        if "critic" in needs and not cfg.critic.enable:
+            problems.append(f"algorithm.adv_estimator={a.adv_estimator} needs a critic: set critic.enable=true")
+        if "greedy_baseline" in needs and not a.greedy_baseline:
+            problems.append(f"algorithm.adv_estimator={a.adv_estimator} needs algorithm.greedy_baseline=true")
         if a.adv_estimator == "gfpo" and not 2 <= a.gfpo_keep <= r.n:
             problems.append(f"algorithm.gfpo_keep={a.gfpo_keep} must be in [2, rollout.n={r.n}]")
         if a.gfpo_metric not in ("length", "reward_per_token"):
@@ -412,6 +431,17 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             problems.append(
                 "rollout.agent.max_turns must be >= 1 and rollout.agent.max_response_tokens >= rollout.max_response_length"
             )
+    if cfg.model.dtype is not None:
+        problems.append(
+            f"model.dtype={cfg.model.dtype} was removed: master weights and optimizer state are always fp32; "
+            "set the training compute dtype with actor.param_dtype and the rollout engine's with rollout.dtype"
+        )
+    if r.dtype not in ("float32", "bfloat16", "float16"):
+        problems.append(f"rollout.dtype={r.dtype!r} must be float32, bfloat16 or float16")
+    for name in ("param_dtype", "reduce_dtype"):
+        value = getattr(act, name)
+        if value is not None and value not in ("float32", "bfloat16", "float16"):
+            problems.append(f"actor.{name}={value!r} must be float32, bfloat16 or float16 (or null)")
     if d.truncation not in ("skip", "left", "right", "error"):
         problems.append(f"data.truncation={d.truncation!r} must be skip, left, right or error")
     if d.max_prompt_length < 1:

@@ -40,13 +40,22 @@ def one_line_error(exc: BaseException) -> str:
 def precheck_overrides(argv: list[str]) -> None:
     """Compose once with the command line's overrides so a bad key fails in one line, early."""
     from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
 
     from hybrid_rl.trainer.build import conf_dir
 
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra"))]
+    # Hydra's own parser separates its flags and their values (--cfg job, -p PKG, --config-name X,
+    # --info [topic], ...) from the overrides; anything it rejects is left for Hydra to report.
+    try:
+        args = get_args_parser().parse_intermixed_args(argv)
+    except SystemExit:
+        return
+    if args.help or args.hydra_help or args.shell_completion:
+        return
+    overrides = [a for a in args.overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
+            compose(config_name=args.config_name or "config", overrides=overrides)
     except Exception as e:
         print(f"config error: {one_line_error(e)}", file=sys.stderr)
         sys.exit(2)

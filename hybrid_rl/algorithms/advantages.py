@@ -53,7 +53,7 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool =
     return out * mask
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs=("group",))
 def grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     r"""GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, eq. 3).
 
@@ -72,7 +72,7 @@ def grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     return out, out
 
 
-@register_adv_est("drgrpo")
+@register_adv_est("drgrpo", needs=("group",))
 def drgrpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     r"""Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): :math:`s_i - \mathrm{mean}(s_g)`.
 
@@ -84,7 +84,7 @@ def drgrpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     return out, out
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs=("group",))
 def rloo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     r"""RLOO leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024).
 
@@ -133,7 +133,7 @@ def reinforce_pp(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     return masked_whiten(returns, inp.response_mask), returns
 
 
-@register_adv_est("reinforce_pp_baseline")
+@register_adv_est("reinforce_pp_baseline", needs=("group",))
 def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     r"""REINFORCE++-baseline (Hu 2025): subtract the group mean score, then whiten over the batch.
 
@@ -145,7 +145,7 @@ def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tenso
     return masked_whiten(adv, inp.response_mask), adv
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs=("greedy_baseline",))
 def remax(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     r"""ReMax (Li et al. 2023): the greedy answer's reward is the baseline.
 
@@ -186,7 +186,7 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, 
     return adv, returns
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs=("critic",))
 def gae(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """PPO's GAE with a critic; advantages are whitened over the batch (returns are not)."""
     if inp.values is None:
@@ -217,7 +217,7 @@ def gfpo_keep_mask(scores: Tensor, lengths: Tensor, group_ids: Tensor, keep: int
     return mask
 
 
-@register_adv_est("gfpo")
+@register_adv_est("gfpo", needs=("group",))
 def gfpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     r"""GFPO (Shrivastava et al. 2025, "Sample More to Think Less"): group filtering.
 

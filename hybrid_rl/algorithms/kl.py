@@ -19,14 +19,19 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", clamp: float = 20.0) -> Tensor:
-    """Per-token KL estimate ``[B, R]``. ``clamp`` bounds log r so k3's exp cannot overflow."""
+    """Per-token KL estimate ``[B, R]``. ``clamp`` bounds log r so k3's exp cannot overflow.
+
+    k3 is also clamped to ``[-10, 10]`` as verl's ``low_var_kl``: one token whose reference
+    log-prob is far below the policy's (log r = -20 gives k3 ~ 19) would otherwise dominate the
+    KL term of a whole batch; its gradient is cut beyond the bound.
+    """
     log_ratio = (ref_logprobs - logprobs).clamp(-clamp, clamp)
     if kind == "k1":
         return -log_ratio
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
-        return torch.exp(log_ratio) - 1 - log_ratio
+        return (torch.exp(log_ratio) - 1 - log_ratio).clamp(-10.0, 10.0)
     if kind == "abs":
         return log_ratio.abs()
     raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")

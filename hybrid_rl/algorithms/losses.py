@@ -167,7 +167,7 @@ def make_actor_loss(cfg: Any) -> LossFn:
             metrics["actor/tis_clipped_frac"] = masked_mean((w >= cfg.tis_cap).float(), mask)
             pg = pg * w
         loss = pg
-        metrics["actor/pg_loss"] = (pg * mb.loss_weights).sum().detach()
+        metrics["actor/pg_loss"] = masked_mean(pg.detach(), mask)  # token mean; the engine weights by tokens
         if out.entropy is not None:
             metrics["actor/entropy"] = masked_mean(out.entropy.detach(), mask)
             if cfg.entropy_coeff:

@@ -13,18 +13,32 @@ from typing import TypeVar
 F = TypeVar("F", bound=Callable)
 
 
+# What an advantage estimator can declare it needs when it registers; config validation and the
+# trainer read these instead of lists of names.
+#   group:           rollout.n >= 2 (a group baseline; with n = 1 every advantage is 0)
+#   critic:          critic.enable (values V(s_t))
+#   greedy_baseline: algorithm.greedy_baseline (the greedy answer's reward per prompt)
+NEEDS = frozenset({"group", "critic", "greedy_baseline"})
+
+
 class Registry(dict[str, Callable]):
     """A name -> function map whose lookup error lists the registered names."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
+        self.needs: dict[str, frozenset[str]] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: str, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
+        unknown = set(needs) - NEEDS
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r}: unknown needs {sorted(unknown)}; known: {sorted(NEEDS)}")
+
         def deco(fn: F) -> F:
             if name in self:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self[name] = fn
+            self.needs[name] = frozenset(needs)
             return fn
 
         return deco

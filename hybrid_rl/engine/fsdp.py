@@ -25,7 +25,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybrid_rl.batch import ModelOutputs, TrainBatch
-from hybrid_rl.dist import DistContext, all_reduce_max, mean_over_ranks
+from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
+from hybrid_rl.engine.heads import Sampling
 
 LossFn = Callable[[ModelOutputs, TrainBatch], tuple[Tensor, dict]]
 
@@ -37,6 +38,10 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+# Master weights and optimizer state of every trained engine.
+MASTER_DTYPE = torch.float32
 
 
 def to_dtype(name: str | None) -> torch.dtype | None:
@@ -152,12 +157,12 @@ class FSDPEngine:
         self.consecutive_bad_steps = 0
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, mb: TrainBatch, temperature: float) -> ModelOutputs:
+    def _forward(self, mb: TrainBatch, temperature: Sampling | float) -> ModelOutputs:
         mb = mb.to(self.ctx.device)
         return self.module(mb.input_ids, mb.attention_mask, mb.position_ids, mb.prompt_len, temperature)
 
     @torch.no_grad()
-    def forward_outputs(self, batch: TrainBatch, temperature: float = 1.0) -> ModelOutputs:
+    def forward_outputs(self, batch: TrainBatch, temperature: Sampling | float = 1.0) -> ModelOutputs:
         """Outputs for every row, ``[B, R]`` at the batch's full width, in micro-batches."""
         self.module.eval()
         r_full = batch.input_ids.shape[1] - batch.prompt_len
@@ -175,30 +180,41 @@ class FSDPEngine:
                 fields.setdefault(name, []).append(v)
         return ModelOutputs(**{k: torch.cat(v) for k, v in fields.items()})
 
-    def forward_logprobs(self, batch: TrainBatch, temperature: float = 1.0) -> Tensor:
+    def forward_logprobs(self, batch: TrainBatch, temperature: Sampling | float = 1.0) -> Tensor:
         """``[B, R]`` log-probs of the response tokens (old/reference log-probs), no grad."""
         return self.forward_outputs(batch, temperature).logprobs
 
     # ---------------------------------------------------------------- train
-    def train_batch(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step over ``batch`` (this rank's rows of one mini-batch)."""
+    def train_batch(
+        self, batch: TrainBatch, loss_fn: LossFn, temperature: Sampling | float = 1.0, metric_weight: str = "tokens"
+    ) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's rows of one mini-batch).
+
+        The loss function's metrics are per micro-batch means; they are combined over micro-batches
+        and ranks weighted by each micro-batch's response tokens (``metric_weight="tokens"``) or
+        rows (``"rows"``: per-pair metrics of DPO / reward models), so a metric is the mean over
+        the whole mini-batch whatever the split. ``actor/loss`` is the global loss (the sum of
+        the micro-batches' shares on all ranks).
+        """
         assert self.optimizer is not None, "engine was built without an optimizer"
         self.module.train()
         mbs = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro)
         sums: dict[str, float] = {}
-        total_loss = 0.0
+        total_loss, total_weight = 0.0, 0.0
         for i, mb in enumerate(mbs):
             self.module.set_requires_gradient_sync(i == len(mbs) - 1)
             out = self._forward(mb, temperature)
             loss, metrics = loss_fn(out, mb.to(self.ctx.device))
             (loss * self.ctx.world_size).backward()
             total_loss += float(loss.detach())
+            w = float(mb.response_mask.sum()) if metric_weight == "tokens" else float(mb.size)
+            total_weight += w
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, torch.Tensor) else v)
-        metrics = {k: v / len(mbs) for k, v in sums.items()}
+                sums[k] = sums.get(k, 0.0) + w * float(v.detach() if isinstance(v, torch.Tensor) else v)
+        keys = sorted(sums)
+        *values, total_weight, total_loss = all_reduce_sum([sums[k] for k in keys] + [total_weight, total_loss])
+        metrics = {k: v / max(total_weight, 1e-12) for k, v in zip(keys, values, strict=True)}
         metrics["actor/loss"] = total_loss
-        metrics = mean_over_ranks(metrics)
-        metrics["actor/loss"] *= self.ctx.world_size  # the global loss is the sum of the ranks' shares
         metrics.update(self._optimizer_step())
         metrics["actor/micro_batches"] = float(len(mbs))
         return metrics
@@ -380,8 +396,9 @@ def build_policy_engine(
     """The actor (``trainable``) or a frozen reference policy, from an HF folder."""
     from hybrid_rl.engine.heads import PolicyModule
 
-    dtype = to_dtype(model_cfg.dtype)
-    lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
+    # fp32 master weights always (bf16 masters with bf16 Adam state lose most small updates);
+    # actor.param_dtype sets the compute dtype through FSDP2's mixed-precision policy.
+    lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
     if trainable and actor_cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return FSDPEngine(
@@ -399,9 +416,8 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
     """A critic initialised from the policy checkpoint's body with a zero-initialised value head."""
     from hybrid_rl.engine.heads import ValueModule
 
-    dtype = to_dtype(model_cfg.dtype)
-    lm = load_hf_causal_lm(path, dtype, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
-    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing).to(dtype)
+    lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
+    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing).to(MASTER_DTYPE)
     optim = OptimConfig(
         lr=critic_cfg.lr,
         weight_decay=actor_cfg.weight_decay,

@@ -7,6 +7,8 @@ computation, including the chunked log-prob head and its recomputation in backwa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,34 +17,78 @@ from torch.utils.checkpoint import checkpoint
 from hybrid_rl.batch import ModelOutputs
 
 
-def _chunk_logprobs_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+class Sampling(NamedTuple):
+    """The distribution the rollout engine sampled from: ``softmax(logits / T)`` restricted to
+    the ``top_k`` most likely tokens (``-1`` = all) and then to the nucleus of mass ``top_p``,
+    renormalised. The trainer's log-probs use the same one, so PPO ratios, TIS weights and the
+    rollout/trainer mismatch compare like with like."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, s: Sampling | float) -> Sampling:
+        return s if isinstance(s, Sampling) else cls(temperature=float(s))
+
+
+def truncate_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tensor:
+    """Set logits outside the top-k / top-p set to ``-inf``, as vLLM's sampler does.
+
+    vLLM (``apply_top_k_top_p``): top-k keeps logits >= the k-th largest; top-p then sorts the
+    (top-k) probabilities ascending and drops those whose cumulative sum is <= ``1 - top_p``,
+    always keeping the most likely token. ``logits [N, V]`` -> ``[N, V]``.
+    """
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, idx = logits.sort(dim=-1, descending=False)
+        cum = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1.0 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+def _chunk_logprobs_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0
+) -> tuple[Tensor, Tensor]:
     logits = F.linear(hidden, weight).float()
     if temperature != 1.0:
         logits = logits / temperature
+    if top_k > 0 or top_p < 1.0:
+        logits = truncate_logits(logits, top_k, top_p)
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets[:, None])[:, 0] - lse
     probs = torch.softmax(logits, dim=-1)
-    entropy = lse - (probs * logits).sum(-1)
+    # 0 * -inf is nan: truncated tokens contribute nothing to the entropy
+    entropy = lse - torch.where(probs > 0, probs * logits, torch.zeros_like(logits)).sum(-1)
     return logprobs, entropy
 
 
 def logprobs_and_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk: int = 1024
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Sampling | float = 1.0, chunk: int = 1024
 ) -> tuple[Tensor, Tensor]:
     r"""Per-token :math:`\log\pi(y_t)` and entropy from hidden states, ``chunk`` tokens at a time.
 
     ``hidden [N, H]``, ``weight [V, H]``, ``targets [N]`` -> two ``[N]`` fp32 tensors.
     The naive ``log_softmax`` over a 150k vocabulary keeps ~3 ``[N, V]`` fp32 tensors alive
     through backward; here each chunk's logits are recomputed in backward
-    (activation checkpointing), so memory stays ~``chunk x V`` whatever N is.
+    (activation checkpointing), so memory stays ~``chunk x V`` whatever N is. With top-k/top-p
+    (:class:`Sampling`) the log-probs are those of the truncated, renormalised distribution
+    (a sampled token is always inside it; the set is piecewise constant, so gradients flow
+    through the kept logits only).
     """
+    s = Sampling.of(temperature)
     outs_lp, outs_ent = [], []
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_chunk_logprobs_entropy, h, weight, t, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs_entropy, h, weight, t, *s, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs_entropy(h, weight, t, temperature)
+            lp, ent = _chunk_logprobs_entropy(h, weight, t, *s)
         outs_lp.append(lp)
         outs_ent.append(ent)
     if not outs_lp:
@@ -131,7 +177,7 @@ class PolicyModule(nn.Module):
         attention_mask: Tensor,
         position_ids: Tensor,
         prompt_len: int,
-        temperature: float = 1.0,
+        temperature: Sampling | float = 1.0,
     ) -> ModelOutputs:
         hidden = body_hidden(self.lm.model, input_ids, attention_mask, position_ids, self.packing)
         b, t = input_ids.shape
@@ -165,7 +211,7 @@ class ValueModule(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: float = 1.0
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: Sampling | float = 1.0
     ) -> ModelOutputs:
         hidden = body_hidden(self.body, input_ids, attention_mask, position_ids, self.packing)
         t = input_ids.shape[1]
@@ -185,7 +231,7 @@ class RewardModule(nn.Module):
         self.rm = cls_model
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: float = 1.0
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: Sampling | float = 1.0
     ) -> ModelOutputs:
         hidden = self.rm.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

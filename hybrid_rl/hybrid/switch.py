@@ -14,7 +14,9 @@ to_rollout:
                             the OS (glibc ``malloc_trim``); without it RSS grows by ~1.7x the
                             model's bytes over the first ~10 switches (heap fragmentation,
                             measured on the 100M model) before it levels off
-    7. bump the weights version that rollouts are stamped with
+    7. stamp the engine with the trainer's weights version (only here, after the load
+                            returned: a sync that was skipped or failed leaves the engine's
+                            version behind, and the trainer's guard refuses its rollouts)
 
 to_train:
     1. sleep_engine       - free the KV cache and offload (level 1) or drop (level 2) weights
@@ -101,12 +103,24 @@ class HybridSwitch:
         self.bucket_bytes = bucket_bytes
         self.sleep_level = sleep_level
         self.device = device
+        # Two versions: the trainer's weights (bumped by policy_updated after each update) and
+        # the weights the engine really holds (set only after a completed load). Rollouts are
+        # stamped with the engine's; check_version compares it with the trainer's.
         self.weights_version = 0
+        self.engine_version = 0
         self.mode = "rollout"  # a fresh engine already holds the initial weights
         self.history: list[SwitchReport] = []
 
-    def to_rollout(self) -> SwitchReport:
-        """Push the trainer's current weights into the engine and make it ready to generate."""
+    def policy_updated(self) -> None:
+        """The trainer changed its weights (an optimizer step): the engine is now behind."""
+        self.weights_version += 1
+
+    def to_rollout(self, skip_sync: bool = False) -> SwitchReport:
+        """Push the trainer's current weights into the engine and make it ready to generate.
+
+        ``skip_sync`` is fault injection only (``HYBRID_RL_FAULT=skip_sync@step``): the engine
+        keeps its old weights, so the next update must fail with :class:`StaleWeightsError`.
+        """
         timer = PhaseTimer("switch", self.device)
         notes = []
         with timer.phase("offload_optimizer"):
@@ -117,7 +131,9 @@ class HybridSwitch:
             if sleeping:
                 self.rollout.wake_up(["weights"])
         with timer.phase("sync_weights"):
-            self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype))
+            if not skip_sync:
+                self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype))
+                self.engine_version = self.weights_version
         with timer.phase("wake_kv_cache"):
             if sleeping:
                 self.rollout.wake_up(["kv_cache"])
@@ -125,7 +141,8 @@ class HybridSwitch:
             self.rollout.reset_prefix_cache()
         with timer.phase("trim_host_heap"):
             trim_host_heap()
-        self.weights_version += 1
+        if skip_sync:
+            notes.append(f"weight sync skipped (fault injection): engine holds version {self.engine_version}")
         self.mode = "rollout"
         return self._report("to_rollout", timer, freed=False, notes=notes)
 

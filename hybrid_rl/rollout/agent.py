@@ -30,7 +30,7 @@ from typing import Any
 
 from hybrid_rl.batch import Rollout, Sample
 from hybrid_rl.data.chat import encode_delta
-from hybrid_rl.rollout.base import Completion, RolloutEngine, SamplingSpec
+from hybrid_rl.rollout.base import Completion, RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.tools import Tool, ToolCall, ToolResult
 
 
@@ -158,10 +158,17 @@ class AgentLoop:
         if len(traj.response_ids) >= self.s.max_response_tokens:
             traj.done, traj.finish_reason = True, "length"
 
+    @staticmethod
+    def _seed(spec: SamplingSpec, i: int, k: int) -> int | None:
+        """Sample k of prompt i: from the prompt's own seed when given (one request per sample)."""
+        if spec.seeds is not None:
+            return prompt_seed(spec.seeds[i], k)
+        return None if spec.seed is None else spec.seed + 1013 * i + k
+
     # ------------------------------------------------------------------ schedulers
     def run(self, records: list[Any], spec: SamplingSpec, group_offset: int, weights_version: int) -> Rollout:
         trajs = [
-            Trajectory(r, group_offset + i, None if spec.seed is None else spec.seed + 1013 * i + k)
+            Trajectory(r, group_offset + i, self._seed(spec, i, k))
             for i, r in enumerate(records)
             for k in range(spec.n)
         ]

@@ -22,7 +22,11 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 64
+    # One seed for the whole call, or (``seeds``) one per prompt, which wins. vLLM seeds child j
+    # of an n-sample request with seed + j, so a shared seed makes sample j of every prompt draw
+    # the same noise: training and pass@k pass per-prompt seeds from :func:`prompt_seed`.
     seed: int | None = None
+    seeds: list[int] | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     # Return the sampler's log-prob of each generated token.
@@ -31,6 +35,27 @@ class SamplingSpec:
     include_stop_str_in_output: bool = False
     # Generate exactly max_tokens (benchmarks that need equal work per request).
     ignore_eos: bool = False
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def prompt_seed(*keys: int) -> int:
+    """A sampling seed in ``[0, 2^31)`` that is a hash of ``keys`` (run seed, step, generation
+    round, global prompt index, ...): independent across prompts, steps and ranks, and the same
+    after a resume. Hashed, not summed, so the seed + j of a prompt's j-th child never lines up
+    with another prompt's seed (as ``base + rank`` did)."""
+    h = 0
+    for k in keys:
+        h = _splitmix64(h ^ (int(k) & _MASK64))
+    return int(h >> 33)
 
 
 @dataclass

@@ -98,6 +98,7 @@ class VLLMRollout:
         seed: int,
         device: torch.device,
         max_model_len: int,
+        trust_remote_code: bool = False,
     ) -> None:
         self.device = device
         on_cuda = device.type == "cuda"
@@ -108,6 +109,7 @@ class VLLMRollout:
         kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
+            trust_remote_code=trust_remote_code,
             seed=seed,
             enforce_eager=cfg.enforce_eager,
             block_size=cfg.block_size,
@@ -150,14 +152,14 @@ class VLLMRollout:
         return {n.removeprefix("vllm:"): _counter(m, n) for n in names}
 
     @staticmethod
-    def _params(spec: SamplingSpec) -> SamplingParams:
+    def _params(spec: SamplingSpec, seed: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=spec.n,
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k,
             max_tokens=spec.max_tokens,
-            seed=spec.seed,
+            seed=spec.seed if seed is None else seed,
             stop=spec.stop,
             stop_token_ids=spec.stop_token_ids,
             logprobs=0 if spec.logprobs else None,
@@ -173,7 +175,12 @@ class VLLMRollout:
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[GenerationResult]:
         """Sample ``spec.n`` completions per prompt (one request each, so siblings share KV blocks)."""
-        params = self._params(spec)
+        if spec.seeds is not None:
+            if len(spec.seeds) != len(prompts):
+                raise ValueError(f"SamplingSpec.seeds has {len(spec.seeds)} seeds for {len(prompts)} prompts")
+            params: SamplingParams | list[SamplingParams] = [self._params(spec, s) for s in spec.seeds]
+        else:
+            params = self._params(spec)
         q0, h0 = self._prefix_counters()
         start = time.perf_counter()
         try:

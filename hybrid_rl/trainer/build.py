@@ -120,7 +120,9 @@ def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_
     """The vLLM engine for this rank (imports vllm, which only hybrid_rl.rollout does)."""
     from hybrid_rl.rollout.vllm_engine import VLLMRollout
 
-    return VLLMRollout(model_path, cfg.rollout, cfg.model.dtype, seed + ctx.rank, ctx.device, max_model_len)
+    return VLLMRollout(
+        model_path, cfg.rollout, cfg.rollout.dtype, seed + ctx.rank, ctx.device, max_model_len, cfg.model.trust_remote_code
+    )
 
 
 def check_lengths(cfg: Any, model_path: str, extra: int = 0) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +78,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+        # Non-finite values are logged as they are (NaN / Infinity in metrics.jsonl): a NaN loss
+        # must show up in the curves, not vanish from them.
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
             self.jsonl.flush()
@@ -101,6 +102,20 @@ class MetricsLogger:
         if self.bar is not None and step > (self.bar.n or 0):
             self.bar.n = step
             self.bar.refresh()
+
+    def truncate_after(self, step: int) -> int:
+        """On resume from a checkpoint at ``step``: drop ``metrics.jsonl`` rows of later steps
+        (written before the run was killed and about to be redone), so each step appears once.
+        Returns the number of rows dropped."""
+        if self.jsonl is None:
+            return 0
+        path = Path(self.jsonl.name)
+        self.jsonl.close()
+        lines = path.read_text(encoding="utf-8").splitlines()
+        keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        self.jsonl = path.open("a", encoding="utf-8")
+        return len(lines) - len(keep)
 
     def close(self) -> None:
         if self.bar is not None:

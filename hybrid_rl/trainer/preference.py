@@ -27,7 +27,7 @@ from hybrid_rl.data.preference import (
     synthetic_preference_dir,
 )
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, barrier
-from hybrid_rl.engine.fsdp import FSDPEngine, OptimConfig, build_policy_engine, to_dtype
+from hybrid_rl.engine.fsdp import MASTER_DTYPE, FSDPEngine, OptimConfig, build_policy_engine, to_dtype
 from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len, resolve_model_path
 from hybrid_rl.trainer.logger import MetricsLogger
 
@@ -180,7 +180,7 @@ def run_dpo(cfg: Any, ctx: DistContext) -> dict[str, float]:
         idx = sampler.next_batch()
         batch = rows_for([mine[i] for i in idx], tok.pad_token_id)
         batch.ref_seq_logprobs = torch.stack([ref_train[2 * i + j] for i in idx for j in (0, 1)])
-        last = policy.train_batch(batch, loss_fn)
+        last = policy.train_batch(batch, loss_fn, metric_weight="rows")
         last["timing/step"] = time.perf_counter() - start
         if step % 10 == 0 or step == steps:
             logger.log(step, last)
@@ -199,8 +199,9 @@ def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int,
 
     from hybrid_rl.engine.heads import RewardModule
 
-    dtype = to_dtype(cfg.model.dtype)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=MASTER_DTYPE, attn_implementation="sdpa", trust_remote_code=cfg.model.trust_remote_code
+    )
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     a = cfg.actor
     return FSDPEngine(
@@ -270,7 +271,7 @@ def run_rm(cfg: Any, ctx: DistContext, export_dir: str | None = None) -> dict[st
     last: dict[str, float] = {}
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        last = engine.train_batch(rows_for([mine[i] for i in sampler.next_batch()], tok.pad_token_id), loss_fn)
+        last = engine.train_batch(rows_for([mine[i] for i in sampler.next_batch()], tok.pad_token_id), loss_fn, metric_weight="rows")
         last["timing/step"] = time.perf_counter() - start
         if step % 10 == 0 or step == steps:
             logger.log(step, last)

@@ -9,6 +9,7 @@ gathered global batch so batch-level statistics (REINFORCE++ whitening) are glob
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -39,11 +40,12 @@ from hybrid_rl.dist import (
     raise_if_any_failed,
 )
 from hybrid_rl.engine.fsdp import build_policy_engine, build_value_engine, to_dtype
-from hybrid_rl.faults import maybe_fail
+from hybrid_rl.engine.heads import Sampling
+from hybrid_rl.faults import fault_active, maybe_fail
 from hybrid_rl.hybrid.switch import HybridSwitch, SwitchReport
-from hybrid_rl.rewards.pool import RewardFailure, RewardPool
+from hybrid_rl.rewards.pool import RewardPool
 from hybrid_rl.rollout.agent import AgentLoop, AgentSettings
-from hybrid_rl.rollout.base import SamplingSpec
+from hybrid_rl.rollout.base import SamplingSpec, prompt_seed
 from hybrid_rl.rollout.sampler import sample_groups
 from hybrid_rl.rollout.tools import get_parser
 from hybrid_rl.timing import PhaseTimer, process_stats
@@ -64,6 +66,16 @@ log = logging.getLogger("hybrid_rl")
 
 class NumericalError(RuntimeError):
     """Training cannot continue: repeated non-finite losses/gradients, or non-finite weights."""
+
+
+def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Reward metrics over every DAPO generation round (equal-sized rounds): counts summed,
+    the rest averaged."""
+    out: dict[str, float] = {}
+    for k in rounds[0]:
+        vals = [r[k] for r in rounds if k in r]
+        out[k] = sum(vals) if k in ("reward/failed", "reward/timeouts") else sum(vals) / len(vals)
+    return out
 
 
 class AppState:
@@ -113,7 +125,7 @@ class RLTrainer:
         self.switch = HybridSwitch(
             self.actor,
             self.rollout_engine,
-            sync_dtype=to_dtype(cfg.model.dtype),
+            sync_dtype=to_dtype(cfg.rollout.dtype),
             bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
             sleep_level=cfg.rollout.sleep_level,
             device=ctx.device,
@@ -196,13 +208,15 @@ class RLTrainer:
                 with timer.phase("update"):
                     maybe_fail("update", self.step_idx + 1, self.ctx.rank)
                     m.update(self.update_policy(batch))
+                    self.switch.policy_updated()
                 m.update(self.throughput(rollout, batch, timer))
             else:  # dynamic sampling kept nothing: every group's answers scored the same
                 m["dapo/skipped_updates"] = 1.0
             self.check_numerics()
             maybe_fail("switch", self.step_idx + 1, self.ctx.rank)
             with timer.phase("switch_to_rollout"):
-                m.update(self.switch_metrics(self.switch.to_rollout()))
+                skip = fault_active("skip_sync", self.step_idx + 1)
+                m.update(self.switch_metrics(self.switch.to_rollout(skip_sync=skip)))
         self.step_idx += 1
         m.update(rollout.stats)
         m.update(timer.metrics())
@@ -214,6 +228,19 @@ class RLTrainer:
     # With vLLM tensor parallelism (rollout.tensor_parallel_size = tp > 1, CUDA) the tp ranks of a
     # group drive one engine and must feed it identical requests: prompts are split over the
     # world_size / tp data-parallel groups, and each rank then trains on its 1/tp of the samples.
+    @property
+    def response_budget(self) -> int:
+        """The most tokens a response may have: the agent's whole-episode budget (model + tool
+        tokens) in agent mode, else rollout.max_response_length. The overlong penalty and the
+        constant length of seq-mean-token-sum-norm are keyed to it."""
+        ag = self.cfg.rollout.agent
+        return ag.max_response_tokens if ag.enable else self.cfg.rollout.max_response_length
+
+    @property
+    def sampling(self) -> Sampling:
+        r = self.cfg.rollout
+        return Sampling(r.temperature, r.top_k, r.top_p)
+
     @property
     def tp(self) -> int:
         return self.cfg.rollout.tensor_parallel_size
@@ -231,22 +258,25 @@ class RLTrainer:
         per = len(idx) // self.dp_size
         return [self.train_records[i] for i in idx[self.dp_rank * per : (self.dp_rank + 1) * per]]
 
-    def sampling_spec(self, n: int | None = None) -> SamplingSpec:
+    def sampling_spec(self, group_ids: list[int], round_idx: int = 0) -> SamplingSpec:
+        """One seed per prompt, hashed from (run seed, step, generation round, global prompt
+        index): rollouts are a function of the weights and those keys (exact resume), and no two
+        prompts, ranks or rounds share sampling noise."""
         r = self.cfg.rollout
-        # Per-request seeds make rollouts a function of (weights, step, rank): resumable exactly.
-        seed = self.cfg.trainer.seed * 1_000_003 + self.step_idx * 1009 + self.dp_rank
+        seeds = [prompt_seed(self.cfg.trainer.seed, self.step_idx, round_idx, g) for g in group_ids]
         return SamplingSpec(
-            n=n or r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seed=seed
+            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seeds=seeds
         )
 
     def generate(self, prompts: list[Any], round_idx: int = 0) -> Rollout:
         offset = (round_idx * self.dp_size + self.dp_rank) * len(prompts)
-        spec = self.sampling_spec()
-        spec.seed = spec.seed + 7919 * round_idx
+        spec = self.sampling_spec([offset + i for i in range(len(prompts))], round_idx)
+        # Stamped with the version the engine really holds (set only by a completed sync).
+        version = self.switch.engine_version
         if self.cfg.rollout.agent.enable:
-            rollout = self.agent_loop().run(prompts, spec, offset, self.switch.weights_version)
+            rollout = self.agent_loop().run(prompts, spec, offset, version)
         else:
-            rollout = sample_groups(self.rollout_engine, prompts, offset, spec, self.switch.weights_version)
+            rollout = sample_groups(self.rollout_engine, prompts, offset, spec, version)
         if self.cfg.algorithm.greedy_baseline:
             self.add_greedy_baseline(prompts, rollout)
         if self.tp > 1:
@@ -270,7 +300,7 @@ class RLTrainer:
             return single_turn_sampler(self.rollout_engine, self.tokenizer)
 
         def sample(records: list[Any], spec: SamplingSpec) -> tuple[list[list[str]], dict[str, float]]:
-            out = self.agent_loop().run(records, spec, 0, self.switch.weights_version)
+            out = self.agent_loop().run(records, spec, 0, self.switch.engine_version)
             texts = [
                 self.tokenizer.decode(
                     [t for t, m in zip(s.response_ids, s.response_mask, strict=True) if m], skip_special_tokens=True
@@ -296,7 +326,7 @@ class RLTrainer:
             prompts,
             0,
             SamplingSpec(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_response_length),
-            self.switch.weights_version,
+            self.switch.engine_version,
         )
         self.score(greedy)
         per_prompt = len(rollout.samples) // len(prompts)
@@ -315,15 +345,14 @@ class RLTrainer:
                 rollout = self.generate(self.next_prompts())
             with timer.phase("reward"):
                 m.update(self.score(rollout))
-        except RewardFailure:
-            raise
-        except Exception as e:
+        except Exception as e:  # RewardFailure too: every rank must learn of it, or the others hang
             error = e
         raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
         if not a.filter_groups:
             return rollout
         target = self.cfg.data.train_batch_size * self.cfg.rollout.n
         kept, drawn, rounds = [], 0, 0
+        round_metrics = [{k: v for k, v in m.items() if k.startswith("reward/")}]
         while True:
             everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
             drawn += len({s.group for s in everyone})
@@ -335,10 +364,11 @@ class RLTrainer:
             with timer.phase("generate"):
                 extra = self.generate(self.next_prompts(), round_idx=rounds)
             with timer.phase("reward"):
-                self.score(extra)
+                round_metrics.append(self.score(extra))
             for k, v in extra.stats.items():
                 rollout.stats[k] = rollout.stats.get(k, 0.0) + v
             rollout = Rollout(extra.samples, extra.weights_version, rollout.stats)
+        m.update(merge_round_metrics(round_metrics))
         per_rank = min(len(kept), target) // self.ctx.world_size
         mine = kept[: per_rank * self.ctx.world_size][self.ctx.rank :: self.ctx.world_size]
         m.update(
@@ -363,9 +393,10 @@ class RLTrainer:
         ]
         results = self.reward_pool.score(items)
         a = self.cfg.algorithm
+        # The model's own tokens only: tool output is not the model's verbosity.
         penalty = overlong_penalty(
-            torch.tensor([len(s.response_ids) for s in samples]),
-            self.cfg.rollout.max_response_length,
+            torch.tensor([sum(s.response_mask) for s in samples]),
+            self.response_budget,
             a.overlong_buffer,
             a.overlong_penalty_factor,
         )
@@ -396,10 +427,12 @@ class RLTrainer:
         return self.reward_model.forward_outputs(batch).scores * self.cfg.reward.reward_model.weight
 
     def make_batch(self, rollout: Rollout) -> TrainBatch:
+        """Collate; with ``algorithm.mask_truncated`` remember which rows were cut at the length
+        limit. They are masked out of the *loss* only, after the advantages: their true scores
+        still enter their group's mean and std (masking first turned a truncated -1 into a 0)."""
         batch = collate(rollout.samples, self.tokenizer.pad_token_id, rollout.weights_version)
         if self.cfg.algorithm.mask_truncated:  # DAPO overlong filtering: cut-off answers teach nothing
-            cut = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
-            batch.response_mask[cut] = 0.0
+            batch.truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
         return batch
 
     @property
@@ -416,15 +449,16 @@ class RLTrainer:
 
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, float]:
         """Old log-probs from the actor (unless exactly on-policy), reference log-probs and
-        critic values, at the sampling temperature."""
-        temp = self.cfg.rollout.temperature
+        critic values, under the distribution the engine sampled from (temperature, top-k, top-p).
+        The reference keeps the full softmax at the temperature: truncating it to its own
+        nucleus would give -inf on tokens the policy may still sample."""
         if self.critic is not None:
             batch.values = self.critic.forward_outputs(batch).values
         if self.ref is not None:
-            batch.ref_logprobs = self.ref.forward_logprobs(batch, temp)
+            batch.ref_logprobs = self.ref.forward_logprobs(batch, self.cfg.rollout.temperature)
         if self.exactly_on_policy:
             return {}  # the loss uses logprobs.detach() and reports the rollout mismatch itself
-        out = self.actor.forward_outputs(batch, temp)
+        out = self.actor.forward_outputs(batch, self.sampling)
         batch.old_logprobs = out.logprobs
         m = {"actor/entropy_old": float(masked_mean(out.entropy, batch.response_mask))}
         if self.ref is not None:
@@ -455,12 +489,17 @@ class RLTrainer:
         width = batch.response_mask.shape[1]
         batch.advantages = adv[mine, :width].contiguous()
         batch.returns = returns[mine, :width].contiguous()
+        if batch.truncated is not None:
+            batch.response_mask[batch.truncated] = 0.0  # out of the loss, not out of the statistics
         m = {
             "advantage/mean": float(masked_mean(batch.advantages, batch.response_mask)),
             "advantage/abs_mean": float(masked_mean(batch.advantages.abs(), batch.response_mask)),
         }
         if kl is not None:
-            current = float(masked_mean(kl, batch.response_mask))
+            # The global token-weighted KL: every rank updates its controller from the same
+            # number, so all ranks fold the same coefficient into their rows.
+            kl_sum, n_tok = all_reduce_sum([float((kl * batch.response_mask).sum()), float(batch.response_mask.sum())])
+            current = kl_sum / max(n_tok, 1.0)
             m["reward/kl"], m["reward/kl_coef"] = current, self.kl_ctrl.value
             self.kl_ctrl.update(current, batch.size * self.ctx.world_size)
         return m
@@ -478,15 +517,15 @@ class RLTrainer:
             order = torch.randperm(batch.size, generator=gen) if act.epochs > 1 or mini < batch.size else torch.arange(batch.size)
             for mb in batch.select(order).split(mini):
                 n_tok, n_seq = all_reduce_sum([float(mb.response_mask.sum()), float((mb.response_mask.sum(-1) > 0).sum())])
-                mb.loss_weights = agg_weights(
-                    mb.response_mask, a.loss_agg_mode, n_tok, n_seq, self.cfg.rollout.max_response_length
-                )
+                mb.loss_weights = agg_weights(mb.response_mask, a.loss_agg_mode, n_tok, n_seq, self.response_budget)
                 metrics = {}
                 if self.critic is not None:
-                    metrics.update(self.critic.train_batch(mb, self.critic_loss_fn))
+                    weights = agg_weights(mb.response_mask, self.cfg.critic.loss_agg_mode, n_tok, n_seq, self.response_budget)
+                    critic_mb = dataclasses.replace(mb, loss_weights=weights)
+                    metrics.update(self.critic.train_batch(critic_mb, self.critic_loss_fn))
                     metrics = {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
                 if self.critic is None or self.step_idx >= self.cfg.critic.warmup_steps:
-                    metrics.update(self.actor.train_batch(mb, self.loss_fn, self.cfg.rollout.temperature))
+                    metrics.update(self.actor.train_batch(mb, self.loss_fn, self.sampling))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n += 1
@@ -506,7 +545,8 @@ class RLTrainer:
         return m
 
     def throughput(self, rollout: Rollout, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
-        lengths = torch.tensor([len(s.response_ids) for s in rollout.samples], dtype=torch.float32)
+        # Model-written tokens (tool output excluded); clip_ratio: responses cut at the budget.
+        lengths = torch.tensor([sum(s.response_mask) for s in rollout.samples], dtype=torch.float32)
         gen_tokens, train_tokens = all_reduce_sum([float(lengths.sum()), float(batch.attention_mask.sum())])
         return {
             "response/length_mean": float(lengths.mean()),
@@ -599,11 +639,12 @@ class RLTrainer:
         if self.critic is not None and state.get("critic_engine") is not None:
             self.critic.load_extra_state(state["critic_engine"])
         # The engine was built from the initial weights: push the resumed ones.
-        self.switch.weights_version = int(state["weights_version"]) - 1
+        self.switch.weights_version = int(state["weights_version"])
         self.switch.to_rollout()
+        dropped = self.logger.truncate_after(self.step_idx)
         barrier()
         if self.ctx.is_main:
-            log.info("resumed from %s at step %d", path, self.step_idx)
+            log.info("resumed from %s at step %d (%d metrics rows of later steps dropped)", path, self.step_idx, dropped)
 
     def check_numerics(self) -> None:
         """Abort after ``trainer.max_bad_steps`` consecutive non-finite updates (each was skipped)."""

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybrid_rl.dist import DistContext, all_reduce_sum
-from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec
+from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec, prompt_seed
 
 # (records, spec) -> (texts per record, extra summed stats)
 SampleFn = Callable[[list[Any], SamplingSpec], tuple[list[list[str]], dict[str, float]]]
@@ -67,7 +67,11 @@ def evaluate(
         sums["hits"] = sum(correct(s[0], accuracy_fn) for s in scored)
         sums["score"] = sum(s[0].score for s in scored)
         if pass_k > 0:
-            texts_k, _ = sample(mine, SamplingSpec(n=pass_k, temperature=temperature, max_tokens=max_tokens, seed=seed + 1))
+            # One seed per held-out prompt (its global index): siblings of different prompts
+            # draw independent noise, and the figure does not depend on the number of ranks.
+            seeds = [prompt_seed(seed, 1, shard_rank + i * shard_size) for i in range(len(mine))]
+            spec = SamplingSpec(n=pass_k, temperature=temperature, max_tokens=max_tokens, seeds=seeds)
+            texts_k, _ = sample(mine, spec)
             scored_k = score_texts(pool, mine, texts_k)
             sums["passk"] = sum(any(correct(s, accuracy_fn) for s in group) for group in scored_k)
             sums["meank"] = sum(sum(correct(s, accuracy_fn) for s in group) / pass_k for group in scored_k)

@@ -23,7 +23,9 @@ COMMON = [
     "logger.progress_bar=false",
     "rollout.val_pass_k=2",
     "actor.micro_batch_size=8",
-    # a random-init model scores 0 everywhere: keep every group so the update runs
+    # a random-init model scores 0 on math everywhere (all-zero advantages, nothing trained):
+    # train on a reward it has a spread on, the answer's length; validation still uses math
+    f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
     "algorithm.filter_groups=false",
 ]
 
@@ -50,7 +52,9 @@ def test_steps_are_finite_and_bump_weights_version(first_run):
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         for key in ("actor/loss", "actor/grad_norm", "reward/mean", "actor/entropy", "rollout/logprob_diff_mean"):
-            assert key in r and r[key] == r[key]  # present and not NaN (NaN is dropped by the logger)
+            assert key in r and r[key] == r[key]  # present and not NaN
+        # a real update: non-zero advantages and gradients
+        assert r["advantage/abs_mean"] > 0 and r["actor/grad_norm"] > 0 and r["reward/std"] > 0
     assert [r["weights_version"] for r in steps] == [1.0, 2.0, 3.0]
     val = [r for r in rows(first_run) if "val/accuracy" in r]
     assert val[0]["step"] == 0 and "val/pass@2" in val[0]
@@ -66,3 +70,18 @@ def test_checkpoint_resumes(first_run):
     assert "resumed from" in p.stderr + p.stdout
     steps = [r["step"] for r in rows(first_run) if "actor/loss" in r]
     assert steps == [1, 2, 3, 4]
+
+
+def test_skipped_weight_sync_is_caught_by_the_stale_weight_guard(tmp_path):
+    """Fault injection: the sync after step 1's update is skipped, so step 2's rollout comes from
+    version 0 weights while the trainer is at version 1; the update must refuse it."""
+    import os
+
+    env = {**os.environ, "HYBRID_RL_FAULT": "skip_sync@1"}
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *COMMON, f"trainer.output_dir={tmp_path}", "trainer.total_steps=3"]
+    cmd += ["trainer.val_every=0", "trainer.val_before_train=false", "trainer.save_every=0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, timeout=900, env=env)
+    assert p.returncode != 0, p.stderr[-4000:]  # each rank exits 2; torchrun reports 1
+    assert "error (rank 0): rollout was generated with weights version 0 but the trainer is at 1" in p.stderr
+    steps = [r["step"] for r in rows(tmp_path) if "actor/loss" in r]
+    assert steps == [1]

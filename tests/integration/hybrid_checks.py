@@ -59,8 +59,9 @@ def max_diff(a, b) -> float:
 
 
 def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
-    mc = ModelConfig(dtype=dtype, attn_implementation="sdpa")
-    ac = ActorConfig(lr=3e-3, micro_batch_size=8, packing=True)
+    mc = ModelConfig(attn_implementation="sdpa")
+    # fp32 master weights always; bf16 runs compute in bf16 and the engine holds bf16 weights.
+    ac = ActorConfig(lr=3e-3, micro_batch_size=8, packing=True, param_dtype=None if dtype == "float32" else dtype)
     actor = build_policy_engine(path, mc, ac, ctx, total_steps=10)
     rc = RolloutConfig(block_size=32, max_num_seqs=64, gpu_memory_utilization=0.3, kv_cache_gib=0.125)
     engine = VLLMRollout(path, rc, dtype, seed=ctx.rank, device=ctx.device, max_model_len=256)
@@ -85,13 +86,14 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
         batch.response_mask, "token-mean", float(batch.response_mask.sum()) * ctx.world_size, float(batch.size * ctx.world_size)
     )
     actor.train_batch(batch, make_sft_loss())
+    switch.policy_updated()
     stale = engine.prompt_logprobs(seqs)
     out["stale_equals_before"] = max_diff(stale, before) == 0.0
     switch.to_rollout()
     after = engine.prompt_logprobs(seqs)
     out["change_after_step"] = all_reduce_max(max_diff(after, before))
     out["parity_after_step"] = all_reduce_max(max_diff(after, trainer_logprobs(actor, seqs)))
-    out["weights_version"] = switch.weights_version
+    out["weights_version"] = switch.engine_version
 
     # 3. a sync after a failed generate (one request too long for the engine) still works
     too_long = [seqs[0], seqs[0] * 40]

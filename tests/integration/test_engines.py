@@ -74,7 +74,7 @@ def _engine(ctx, path, micro):
     from hybrid_rl.config import ActorConfig, ModelConfig
     from hybrid_rl.engine.fsdp import build_policy_engine
 
-    mc = ModelConfig(dtype="float32", attn_implementation="sdpa")
+    mc = ModelConfig(attn_implementation="sdpa")
     ac = ActorConfig(lr=1e-3, micro_batch_size=micro, logprob_chunk=7, packing=False)
     return build_policy_engine(path, mc, ac, ctx, total_steps=10)
 
@@ -130,3 +130,101 @@ def test_nonfinite_gradient_skips_the_update(ctx, micro_path):
     m = engine.train_batch(batch, nan_loss)
     assert m["actor/skipped_steps"] == 1.0 and engine.consecutive_bad_steps == 1
     torch.testing.assert_close(engine.forward_logprobs(batch), before)
+
+
+def test_metrics_are_token_weighted_over_micro_batches(ctx, micro_path):
+    """A micro-batch of 2 tokens and one of 20 must not weigh the same (the old engine averaged
+    micro-batch means, and the demo showed pg_loss shares divided by micro-batches x ranks)."""
+    engine = _engine(ctx, micro_path, micro=1)
+    samples = [
+        Sample([5, 6, 7], [8, 9], [0.0] * 2, [1] * 2, "stop", 0),
+        Sample([5, 6], list(range(10, 30)), [0.0] * 20, [1] * 20, "stop", 1),
+    ]
+    batch = collate(samples, pad_id=0)
+    batch.loss_weights = agg_weights(batch.response_mask, "token-mean", float(batch.response_mask.sum()), 2.0)
+    expected = float((-engine.forward_logprobs(batch) * batch.response_mask).sum() / batch.response_mask.sum())
+    m = engine.train_batch(batch, make_sft_loss())
+    assert m["actor/micro_batches"] == 2.0
+    assert m["sft/nll"] == pytest.approx(expected, rel=1e-5)
+    assert m["actor/loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_master_weights_and_adam_state_stay_fp32_with_bf16_compute(ctx, micro_path):
+    """actor.param_dtype=bfloat16 computes in bf16; masters and AdamW moments stay fp32, so a
+    small update changes (almost) every parameter (bf16 masters at lr 1e-6 changed ~2%)."""
+    from hybrid_rl.config import ActorConfig, ModelConfig
+    from hybrid_rl.engine.fsdp import build_policy_engine
+
+    ac = ActorConfig(lr=1e-6, micro_batch_size=8, packing=False, param_dtype="bfloat16")
+    engine = build_policy_engine(micro_path, ModelConfig(attn_implementation="sdpa"), ac, ctx, total_steps=10)
+    params = dict(engine.module.named_parameters())
+    assert all(p.dtype == torch.float32 for p in params.values())
+    before = {k: p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for k, p in params.items()}
+    batch = collate(_samples(), pad_id=0)
+    batch.loss_weights = agg_weights(batch.response_mask, "token-mean", float(batch.response_mask.sum()), 6.0)
+    engine.train_batch(batch, make_sft_loss())
+    states = [s for s in engine.optimizer.state.values()]
+    assert states and all(s["exp_avg"].dtype == torch.float32 and s["exp_avg_sq"].dtype == torch.float32 for s in states)
+    changed = total = 0
+    for k, p in params.items():
+        now = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+        changed += int((now != before[k]).sum())
+        total += now.numel()
+    assert changed / total > 0.9, f"only {changed / total:.1%} of parameters changed"
+
+
+def test_per_prompt_seeds_decorrelate_groups(vllm_engine, tokenizer):
+    """The same prompt 4 times in one call: one shared seed gives 4 identical groups (vLLM seeds
+    child j with seed + j); one seed per prompt gives 4 different ones."""
+    from hybrid_rl.rollout.base import prompt_seed
+
+    p = chat(tokenizer, "Eve has 4 cups.")
+    shared = vllm_engine.generate([p] * 4, SamplingSpec(n=3, max_tokens=12, seed=11))
+    assert len({tuple(tuple(c.token_ids) for c in g.completions) for g in shared}) == 1  # the old defect
+    spec = SamplingSpec(n=3, max_tokens=12, seeds=[prompt_seed(0, 1, 0, i) for i in range(4)])
+    own = vllm_engine.generate([p] * 4, spec)
+    assert len({tuple(tuple(c.token_ids) for c in g.completions) for g in own}) == 4
+    again = vllm_engine.generate([p] * 4, spec)
+    assert [[c.token_ids for c in g.completions] for g in again] == [[c.token_ids for c in g.completions] for g in own]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, -1, 0.8), (0.7, 20, 0.8)])
+def test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync(
+    ctx, tiny_path, vllm_engine, tokenizer, temperature, top_k, top_p
+):
+    """The log-probs TIS and the mismatch metric use: vLLM's sampler log-probs (processed: after
+    temperature and top-k/top-p, renormalised) against the trainer's head with the same
+    truncation, after one training step and a weight sync. fp32: < 1e-4."""
+    from safetensors.torch import load_file
+
+    from hybrid_rl.config import ActorConfig, ModelConfig
+    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.heads import Sampling
+    from hybrid_rl.hybrid.switch import HybridSwitch
+    from hybrid_rl.rollout.base import prompt_seed
+
+    ac = ActorConfig(lr=1e-3, micro_batch_size=16, packing=True)
+    actor = build_policy_engine(tiny_path, ModelConfig(attn_implementation="sdpa"), ac, ctx, total_steps=10)
+    prompts = [chat(tokenizer, f"Fay has {i} hats and {2 * i} bags.") for i in range(3)]
+    warm = collate([Sample(p, p[-6:], [0.0] * 6, [1] * 6, "stop", i) for i, p in enumerate(prompts)], tokenizer.pad_token_id)
+    warm.loss_weights = agg_weights(warm.response_mask, "token-mean", float(warm.response_mask.sum()), 3.0)
+    actor.train_batch(warm, make_sft_loss())
+    switch = HybridSwitch(actor, vllm_engine, sync_dtype=torch.float32, bucket_bytes=1 << 20)
+    try:
+        switch.policy_updated()
+        switch.to_rollout()
+        spec = SamplingSpec(n=4, max_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seeds=[prompt_seed(5, i) for i in range(3)])  # fmt: skip
+        res = vllm_engine.generate(prompts, spec)
+        samples = [Sample(r.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), c.finish_reason, i)
+                   for i, r in enumerate(res) for c in r.completions]  # fmt: skip
+        batch = collate(samples, tokenizer.pad_token_id)
+        lp = actor.forward_logprobs(batch, Sampling(temperature, top_k, top_p))
+        diff = ((lp - batch.rollout_logprobs).abs() * batch.response_mask).max().item()
+        assert diff < 1e-4, f"T={temperature} top_k={top_k} top_p={top_p}: max |trainer - vLLM| = {diff}"
+        if top_p < 1.0:  # the full softmax is measurably off: the comparison can fail
+            full = actor.forward_logprobs(batch, temperature)
+            assert ((full - batch.rollout_logprobs).abs() * batch.response_mask).max().item() > 1e-2
+    finally:  # the session's engine goes back to the file's weights for the other tests
+        vllm_engine.load_weights(load_file(f"{tiny_path}/model.safetensors").items())
+        vllm_engine.reset_prefix_cache()

@@ -86,6 +86,21 @@ def test_cli_typo_is_one_line_and_exit_2():
     assert len(lines) == 1 and "totl_steps" in lines[0], p.stderr
 
 
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["-c", "job", "--package", "rollout"], ["--info", "config"]])
+def test_hydra_flags_and_their_values_pass_through(flags):
+    """The README's ``--cfg job`` form: Hydra's own flags (with values) are not overrides."""
+    p = subprocess.run(
+        [sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", *flags],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert ("temperature:" in p.stdout) or ("Config search path" in p.stdout)
+
+
 def test_unknown_recipe_lists_available():
     p = subprocess.run(
         [sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_mth"],
@@ -108,6 +123,13 @@ def test_unknown_recipe_lists_available():
         (["algorithm.adv_estimator=grpoo"], 1, "known:"),
         (["algorithm.loss_agg_mode=mean"], 1, "loss_agg_mode"),
         (["data.truncation=chop"], 1, "data.truncation"),
+        (["rollout.temperature=0"], 1, "rollout.temperature=0"),
+        (["rollout.top_p=0"], 1, "rollout.top_p=0"),
+        (["algorithm.adv_estimator=drgrpo", "rollout.n=1"], 1, "rollout.n=1 with algorithm.adv_estimator=drgrpo"),
+        (["algorithm.adv_estimator=gfpo", "rollout.n=1"], 1, "rollout.n=1 with algorithm.adv_estimator=gfpo"),
+        (["model.dtype=bfloat16"], 1, "model.dtype=bfloat16 was removed"),
+        (["rollout.dtype=fp8"], 1, "rollout.dtype"),
+        (["critic.loss_agg_mode=mean"], 1, "critic.loss_agg_mode"),
     ],
 )
 def test_contradictory_settings_are_named(overrides, world, needle):

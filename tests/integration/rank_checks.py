@@ -1,0 +1,100 @@
+"""Checks that need several real ranks (run by test_ranks.py under torchrun, and with 1 rank).
+
+    torchrun --nproc-per-node 2 tests/integration/rank_checks.py OUT.json
+    python tests/integration/rank_checks.py OUT.json          # the same on 1 rank
+
+1. For each loss aggregation mode, the full gradient of the actor loss on one fixed batch of 8
+   samples of different lengths (each rank takes its rows), gathered from the FSDP2 shards.
+   Splitting the batch over ranks (and micro-batches) must not change it.
+2. The adaptive KL controller: each rank sees a different local KL; after the update every rank
+   must hold the same coefficient (the global token-weighted KL drives it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+from hybrid_rl.env import setup_process_env
+
+setup_process_env(threads_per_rank=1)
+
+import torch  # noqa: E402
+
+from hybrid_rl.algorithms.kl import make_kl_controller  # noqa: E402
+from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss  # noqa: E402
+from hybrid_rl.algorithms.registry import ADV_ESTIMATORS  # noqa: E402
+from hybrid_rl.batch import Sample, collate  # noqa: E402
+from hybrid_rl.config import LOSS_AGG_MODES, ActorConfig, AlgorithmConfig, ModelConfig  # noqa: E402
+from hybrid_rl.dist import all_gather_objects, all_reduce_sum, init_distributed  # noqa: E402
+from hybrid_rl.engine.fsdp import build_policy_engine  # noqa: E402
+from hybrid_rl.models.tiny import tiny_model_path  # noqa: E402
+from hybrid_rl.trainer.rl import RLTrainer  # noqa: E402
+
+
+def fixed_batch():
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(8):
+        p, r = 3 + i % 3, 2 + (5 * i) % 9
+        ids = torch.randint(5, 200, (p + r,), generator=g).tolist()
+        samples.append(Sample(ids[:p], ids[p:], [0.0] * r, [1] * r, "stop", i // 4, score=float(i % 3)))
+    return samples
+
+
+def gradients(ctx, path: str, mode: str) -> dict[str, list[float]]:
+    actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ActorConfig(micro_batch_size=2), ctx, 10)
+    samples = fixed_batch()
+    per = len(samples) // ctx.world_size
+    mine = samples[ctx.rank * per : (ctx.rank + 1) * per]
+    batch = collate(mine, 0)
+    g = torch.Generator().manual_seed(1)
+    full_adv = torch.randn(8, 16, generator=g)
+    batch.advantages = full_adv[ctx.rank * per : (ctx.rank + 1) * per, : batch.response_mask.shape[1]]
+    n_tok, n_seq = all_reduce_sum([float(batch.response_mask.sum()), float(batch.size)])
+    batch.loss_weights = agg_weights(batch.response_mask, mode, n_tok, n_seq, 16)
+    loss_fn = make_actor_loss(AlgorithmConfig(loss_agg_mode=mode))
+    actor.module.train()
+    for i, part in enumerate(batch.split(2)):  # micro-batches, as the engine splits them
+        mb = part.trimmed()
+        actor.module.set_requires_gradient_sync(i == per // 2 - 1)
+        loss, _ = loss_fn(actor._forward(mb, 1.0), mb)
+        (loss * ctx.world_size).backward()
+    out = {}
+    for name, p in actor.module.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = [*grad.flatten()[:64].tolist(), float(grad.norm())]
+    return out
+
+
+def kl_controller(ctx) -> list[float]:
+    a = SimpleNamespace(use_kl_in_reward=True, greedy_baseline=False, norm_adv_by_std=True, kl_penalty="k1")
+    stub = SimpleNamespace(
+        cfg=SimpleNamespace(algorithm=a),
+        kl_ctrl=make_kl_controller("adaptive", 0.1, 0.01, 10),
+        adv_fn=ADV_ESTIMATORS["grpo"],
+        ctx=ctx,
+    )
+    samples = fixed_batch()[:4]
+    batch = collate(samples, 0)
+    # rank r's policy is r+1 nats/token away from the reference: local KLs differ by rank
+    batch.old_logprobs = torch.zeros_like(batch.response_mask)
+    batch.ref_logprobs = -(ctx.rank + 1.0) * (1 + torch.arange(batch.size))[:, None] * torch.ones_like(batch.response_mask)
+    RLTrainer.compute_advantages(stub, batch)
+    return [float(v) for v in all_gather_objects(stub.kl_ctrl.value)]
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    ctx = init_distributed("cpu")
+    path = str(tiny_model_path("micro"))
+    report = {"world_size": ctx.world_size, "grads": {m: gradients(ctx, path, m) for m in LOSS_AGG_MODES}}
+    report["kl_coef_per_rank"] = kl_controller(ctx)
+    if ctx.rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(report, fh)
+
+
+if __name__ == "__main__":
+    main()
