@@ -57,6 +57,7 @@ def run(out: Path, recipe: str, pairs: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.learning
 def test_dpo_raises_heldout_preference_accuracy(tmp_path, pairs):
     rows = run(tmp_path, "dpo_math", pairs, "actor.lr=5e-4", "preference.beta=0.5")
     first = next(r for r in rows if "val/policy_prefers_chosen" in r)
