@@ -286,9 +286,15 @@ class TrainerConfig:
     # Validate every N steps (0 = never) and before the first step.
     val_every: int = 5
     val_before_train: bool = True
-    # Checkpoint every N steps (0 = only at the end); keep the newest N.
+    # Checkpoint every N steps (0 = off), and/or when this many minutes of wall time passed since
+    # the last one (0 = off); always at the end. A crash or kill -9 loses at most that much work.
     save_every: int = 0
+    save_every_minutes: float = 10.0
     keep_last: int = 2
+    # After a Ctrl-C / SIGTERM the launcher waits this long for the ranks to finish their step
+    # and checkpoint, then kills them (the last complete checkpoint stays); a second signal
+    # kills them at once.
+    shutdown_grace_s: float = 300.0
     # auto (latest in output_dir) | none | a checkpoint directory
     resume: str = "auto"
     # Export the final policy as an HF folder (output_dir/hf).

@@ -1,7 +1,7 @@
 """Entry point: ``python -m hybrid_rl.main +recipe=grpo_math [overrides]``.
 
-Composes the typed config with Hydra, relaunches itself under torchrun when
-``trainer.nproc_per_node > 1`` (and it is not already a torchrun worker), sets the process
+Composes the typed config with Hydra, starts ``trainer.nproc_per_node`` ranks of itself with
+:mod:`hybrid_rl.launch` when that is > 1 (and it is not already a rank), sets the process
 environment, then runs the task (``rl`` or ``sft``). Configuration and input errors are printed
 as one line naming the key/file and exit with status 2.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import hydra
@@ -61,25 +62,24 @@ def precheck_overrides(argv: list[str]) -> None:
         sys.exit(2)
 
 
-def relaunch_under_torchrun(nproc: int) -> None:
-    """Replace this process with ``torchrun --standalone --nproc-per-node=N -m hybrid_rl.main ...``."""
-    args = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "hybrid_rl.main",
-        *sys.argv[1:],
-    ]
-    log.info("relaunching under torchrun with %d ranks", nproc)
+def relaunch_with_ranks(nproc: int, shutdown_grace_s: float) -> None:
+    """Run ``nproc`` ranks of this same command under :mod:`hybrid_rl.launch` and exit with its
+    status (the launcher lets the ranks checkpoint on Ctrl-C / SIGTERM; see there)."""
+    from hybrid_rl.launch import launch
+
+    log.info("starting %d ranks", nproc)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, args)
+    sys.exit(launch(nproc, sys.argv[1:], shutdown_grace_s))
 
 
 def run(cfg: DictConfig) -> None:
+    from hybrid_rl.launch import die_with_launcher
+
+    die_with_launcher()
+    # Slurm's USR1 may come while the engines are still being built: ignore it until the RL
+    # trainer installs its handler (USR1's default action would kill the rank).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 1) // max(world, 1)))
     from hybrid_rl.data.dataset import DataError
@@ -123,7 +123,7 @@ def run(cfg: DictConfig) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.trainer.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        relaunch_under_torchrun(cfg.trainer.nproc_per_node)
+        relaunch_with_ranks(cfg.trainer.nproc_per_node, cfg.trainer.shutdown_grace_s)
     run(cfg)
 
 

@@ -154,6 +154,7 @@ class RLTrainer:
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
         self.step_idx = 0
         self.stop_requested = False
+        self.last_save = time.monotonic()
         self.logger = MetricsLogger(
             cfg.logger, self.out_dir, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.total_steps, ctx.is_main
         )
@@ -174,16 +175,16 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
+        self._install_signal_handler()
         if cfg.val_before_train and self.step_idx == 0:
             self.logger.log(0, self.validate())
-        self._install_signal_handler()
         while self.step_idx < cfg.total_steps and not self._stop_agreed():
             metrics = self.step()
             if cfg.val_every and (self.step_idx % cfg.val_every == 0 or self.step_idx == cfg.total_steps):
                 metrics.update(self.validate())
             self.logger.log(self.step_idx, metrics)
             last = metrics
-            if cfg.save_every and self.step_idx % cfg.save_every == 0:
+            if self._checkpoint_due() and self.step_idx < cfg.total_steps:
                 self.save()
         self.save()
         if cfg.export_hf and not self.stop_requested:
@@ -617,6 +618,7 @@ class RLTrainer:
             self.ctx.rank,
             self.ctx.world_size,
         )
+        self.last_save = time.monotonic()
         if self.ctx.is_main:
             log.info("saved checkpoint %s", path)
         return path
@@ -656,19 +658,31 @@ class RLTrainer:
                 f"{self.step_idx + 1 - bad}. Lower actor.lr, check the reward scale, or use a smaller clip."
             )
 
+    def _checkpoint_due(self) -> bool:
+        """Every ``trainer.save_every`` steps, or once ``trainer.save_every_minutes`` of wall time
+        passed since the last checkpoint (rank 0's clock decides for all: one collective)."""
+        cfg = self.cfg.trainer
+        by_steps = bool(cfg.save_every) and self.step_idx % cfg.save_every == 0
+        by_time = cfg.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * cfg.save_every_minutes
+        return all_reduce_max(float(by_steps or (by_time and self.ctx.is_main))) > 0
+
     def _stop_agreed(self) -> bool:
         """A signal may reach one rank only; all ranks stop together."""
         self.stop_requested = all_reduce_max(float(self.stop_requested)) > 0
         return self.stop_requested
 
     def _install_signal_handler(self) -> None:
-        """SIGUSR1/SIGTERM (Slurm's warning before a time limit or preemption): checkpoint after this step."""
+        """SIGINT (Ctrl-C), SIGTERM (kill, scancel) and SIGUSR1 (Slurm's warning before a time
+        limit): checkpoint after the current step, then exit 0. Idempotent: a signal that
+        reaches a rank twice (from the launcher and from Slurm) still means "stop after this
+        step"; stopping at once is the launcher's job (a second signal to it)."""
 
         def handler(signum: int, frame: Any) -> None:
+            if not self.stop_requested:
+                log.warning("signal %d: saving a checkpoint after the current step, then exiting", signum)
             self.stop_requested = True
-            log.warning("signal %d: saving a checkpoint after the current step, then exiting", signum)
 
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
 
     def _optimizer_steps(self) -> int:

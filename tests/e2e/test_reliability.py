@@ -48,7 +48,8 @@ def step_rows(out: Path) -> dict[int, dict]:
     for line in (out / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "actor/loss" in r:
-            rows[r["step"]] = r  # a resumed run rewrites the steps after its checkpoint
+            assert r["step"] not in rows, f"step {r['step']} logged twice"  # a resume drops redone rows
+            rows[r["step"]] = r
     return rows
 
 
@@ -63,14 +64,18 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize(("ranks", "fault"), [(1, "update@3"), (2, "save@2"), (2, "generate@4@1")])
-def test_kill9_then_resume_matches_uninterrupted(reference, tmp_path, ranks, fault):
-    p = run(tmp_path, "trainer.total_steps=4", env={"HYBRID_RL_FAULT": fault}, ranks=ranks)
+@pytest.mark.parametrize(
+    ("ranks", "fault", "save_every"), [(1, "update@3", 1), (2, "save@2", 1), (2, "generate@4@1", 1), (1, "generate@4", 2)]
+)
+def test_kill9_then_resume_matches_uninterrupted(reference, tmp_path, ranks, fault, save_every):
+    """The last case: killed during step 4 with the checkpoint at step 2; step 3 was logged and
+    is redone, and must appear once."""
+    p = run(tmp_path, "trainer.total_steps=4", f"trainer.save_every={save_every}", env={"HYBRID_RL_FAULT": fault}, ranks=ranks)
     assert p.returncode != 0, "the injected SIGKILL did not happen"
     assert "[fault injection] SIGKILL" in p.stderr
     ckpts = sorted(x.name for x in (tmp_path / "checkpoints").iterdir())
     assert all(not c.endswith(".tmp") or c.startswith(".") for c in ckpts)
-    p = run(tmp_path, "trainer.total_steps=4", ranks=ranks)
+    p = run(tmp_path, "trainer.total_steps=4", f"trainer.save_every={save_every}", ranks=ranks)
     assert p.returncode == 0, p.stderr[-5000:]
     got, want = step_rows(tmp_path), reference[ranks]
     assert sorted(got) == [1, 2, 3, 4]

@@ -1,0 +1,111 @@
+"""Interrupting a 2-rank run: SIGTERM or SIGINT (Ctrl-C) to the whole process group, or a second
+SIGTERM to the launcher. Each is followed by ``trainer.resume=auto``: the resumed run continues
+from the saved step, every step appears once in metrics.jsonl, and the metrics equal an
+uninterrupted run's."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+BASE = [
+    "+recipe=grpo_math",
+    "model.path=builtin:tiny",
+    "trainer.nproc_per_node=2",
+    "data.train_batch_size=4",
+    "rollout.n=4",
+    "rollout.max_response_length=16",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    "trainer.save_every=1",
+    "trainer.keep_last=3",
+    "logger.progress_bar=false",
+    "algorithm.filter_groups=false",
+    "trainer.export_hf=false",
+    "actor.lr=1e-3",
+    f"trainer.total_steps={STEPS}",
+    f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
+]
+COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean", "weights_version"]
+
+
+def cmd(out: Path) -> list[str]:
+    return [sys.executable, "-m", "hybrid_rl.main", *BASE, f"trainer.output_dir={out}"]
+
+
+def step_rows(out: Path) -> dict[int, dict]:
+    rows: dict[int, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "actor/loss" in r:
+            assert r["step"] not in rows, f"step {r['step']} logged twice"
+            rows[r["step"]] = r
+    return rows
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline:
+        if metrics.exists() and sum('"actor/loss"' in ln for ln in metrics.read_text().splitlines()) >= step:
+            return
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    p = subprocess.run(cmd(out), capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return step_rows(out)
+
+
+@pytest.mark.parametrize("how", ["sigterm_to_group", "sigint_to_group", "second_sigterm_to_launcher"])
+def test_interrupt_then_resume_matches_uninterrupted(reference, tmp_path, how):
+    # A new session: the launcher leads its own process group, as a shell job would.
+    proc = subprocess.Popen(
+        cmd(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        wait_for_step(tmp_path, 2, proc)
+        if how == "sigterm_to_group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        elif how == "sigint_to_group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.5)
+            os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert ckpts, output[-3000:]
+    saved = int(ckpts[-1].split("_")[1])
+    if how == "second_sigterm_to_launcher":
+        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "second SIGTERM: stopping the ranks now" in output
+    else:
+        assert proc.returncode == 0, output[-3000:]
+        assert "checkpoint after the current step" in output
+        assert saved < STEPS, "the run was not stopped early"
+        assert max(step_rows(tmp_path)) == saved  # it stopped right after the checkpointed step
+    p = subprocess.run(cmd(tmp_path), capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-5000:]
+    assert f"at step {saved}" in p.stderr + p.stdout  # resumed from the saved step
+    got = step_rows(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        for key in COMPARED:
+            assert got[step][key] == reference[step][key], (how, step, key, got[step][key], reference[step][key])
