@@ -17,7 +17,16 @@ from pathlib import Path
 
 from benchmarks.common import load_result, machine_info, write_json
 
-ALL = ["switch_overhead", "split_pool", "prefix_cache", "rollout_throughput", "train_throughput", "vs_trl", "sandbox_latency"]
+ALL = [
+    "switch_overhead",
+    "split_pool",
+    "prefix_cache",
+    "rollout_throughput",
+    "train_throughput",
+    "vs_trl",
+    "sandbox_latency",
+    "checkpoint_cost",
+]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -15,11 +15,12 @@ if [ "${HYBRID_RL_STACK:-auto}" = "cuda" ] || { [ "${HYBRID_RL_STACK:-auto}" = "
 else
   STACK=cpu
 fi
-# The code sandbox needs bubblewrap (Debian package); install it when we can.
-if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "[setup] installing bubblewrap (the sandbox for model-written code)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }
+# The code sandbox needs bubblewrap and libseccomp2 (Debian packages); install them when we can.
+if { ! command -v bwrap >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; } \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing bubblewrap and libseccomp2 (the sandbox for model-written code)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap libseccomp2 >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap libseccomp2 >/dev/null; }
 fi
 command -v bwrap >/dev/null 2>&1 || echo "[setup] WARNING: bwrap not found; sandbox tests are skipped and agentic runs refuse to start"
 

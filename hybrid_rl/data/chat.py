@@ -8,6 +8,8 @@ shift the loss mask).
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 _PROBE_USER = {"role": "user", "content": "x"}
@@ -36,6 +38,52 @@ def encode_delta(tokenizer: Any, messages: list[dict], add_generation_prompt: bo
     return tokenizer(turn_delta_text(tokenizer, messages, add_generation_prompt), add_special_tokens=False)["input_ids"]
 
 
+def _added_token_pattern(tokenizer: Any) -> re.Pattern | None:
+    texts = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.content}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def encode_data(tokenizer: Any, text: str) -> list[int]:
+    """Token ids for ``text`` as plain data: control-token text (``<|im_end|>``, ``<tool_call>``, any
+    added token) becomes ordinary text tokens, never the control token itself.
+
+    Each occurrence of an added token's text is encoded in two pieces (its first character,
+    then the rest), which the tokenizer cannot merge back into the added token; decoding gives
+    the same text. Used for tool output, so a program cannot forge turns in the model's context.
+    """
+    pattern = _added_token_pattern(tokenizer)
+    added = set(tokenizer.added_tokens_decoder)
+
+    def enc(piece: str) -> list[int]:
+        if not piece:
+            return []
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        if added.intersection(ids):  # a suffix that is itself an added token: one character at a time
+            ids = [i for ch in piece for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+        return ids
+
+    if pattern is None:
+        return enc(text)
+    ids: list[int] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        ids += enc(text[pos : m.start()]) + enc(m.group()[:1]) + enc(m.group()[1:])
+        pos = m.end()
+    return ids + enc(text[pos:])
+
+
+def encode_tool_turn(tokenizer: Any, role: str, content: str, add_generation_prompt: bool = True) -> list[int]:
+    """The template's delta for one ``role`` turn whose ``content`` is data (see :func:`encode_data`):
+    the template's own text around the content keeps its control tokens."""
+    marker = f"HYBRIDRLDATA{uuid.uuid4().hex}"
+    text = turn_delta_text(tokenizer, [{"role": role, "content": marker}], add_generation_prompt)
+    if text.count(marker) != 1:
+        raise ValueError("the chat template must render a tool turn's content exactly once")
+    before, after = text.split(marker)
+    enc = tokenizer(before, add_special_tokens=False)["input_ids"]
+    return enc + encode_data(tokenizer, content) + tokenizer(after, add_special_tokens=False)["input_ids"]
+
+
 def assemble_trajectory(tokenizer: Any, prompt_ids: list[int], turns: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
     """Response ids and loss mask for alternating turns ``[("assistant", text), ("tool", text), ...]``.
 
@@ -52,7 +100,7 @@ def assemble_trajectory(tokenizer: Any, prompt_ids: list[int], turns: list[tuple
             ids += t
             mask += [1] * len(t)
         else:
-            t = encode_delta(tokenizer, [{"role": role, "content": text}])
+            t = encode_tool_turn(tokenizer, role, text)
             ids += t
             mask += [0] * len(t)
     return ids, mask

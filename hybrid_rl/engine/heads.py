@@ -211,7 +211,12 @@ class ValueModule(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: Sampling | float = 1.0
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prompt_len: int,
+        temperature: Sampling | float = 1.0,
     ) -> ModelOutputs:
         hidden = body_hidden(self.body, input_ids, attention_mask, position_ids, self.packing)
         t = input_ids.shape[1]
@@ -231,7 +236,12 @@ class RewardModule(nn.Module):
         self.rm = cls_model
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, temperature: Sampling | float = 1.0
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prompt_len: int,
+        temperature: Sampling | float = 1.0,
     ) -> ModelOutputs:
         hidden = self.rm.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

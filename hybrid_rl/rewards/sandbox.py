@@ -3,16 +3,26 @@
 Per call (see :meth:`Sandbox.run`):
 
 - a fresh root with only ``/usr`` (read-only; ``/bin``, ``/lib`` as links into it), ``/proc``,
-  a minimal ``/dev``, a size-limited tmpfs scratch directory ``/work`` holding the program
-  (bound read-only), and a size-limited tmpfs ``/tmp``; every namespace unshared (no network,
+  a minimal ``/dev`` remounted read-only with a size-limited ``/dev/shm``, a size-limited tmpfs
+  scratch directory ``/work`` holding the program (bound read-only), and a size-limited tmpfs
+  ``/tmp``: every writable mount has a size, and tmpfs pages count against the call's memory
+  cgroup (bwrap's own ``/dev`` is an unsized tmpfs: 248 MiB were written to ``/dev/shm``
+  before); every namespace unshared (no network,
   no host PIDs, no abstract unix sockets, no IPC), a new session, no nested user namespaces,
   an empty environment;
 - launched as an unprivileged uid (``setpriv``) even when the trainer is root: as root the
   process-count limit is never enforced;
 - limits set *inside* the sandbox with ``prlimit`` (CPU seconds, address space, processes, file
   size, open files, no core dumps): limits set outside are shared by every sandbox of the uid;
-- a v1 memory + pids cgroup per call where one is writable (RLIMIT_AS is not a resident-memory
-  limit); the launcher moves itself into the cgroups before it execs, so nothing escapes them;
+- a seccomp filter (built with libseccomp through ``pyseccomp``, handed to bwrap) that refuses
+  the kernel keyring (a channel between calls, and a per-uid quota one call could exhaust),
+  io_uring, userfaultfd, ptrace, perf, bpf, mounts and namespaces, module and kexec calls, and
+  every socket family but unix/inet/inet6 (AF_VSOCK shares the VM's port space: the network
+  namespace does not cover it); see :func:`seccomp_filter`;
+- a memory + pids cgroup per call (RLIMIT_AS is not a resident-memory limit): cgroup v1
+  controllers where writable, else a cgroup v2 subtree delegated to this process; where neither
+  exists the sandbox refuses to start (``require_cgroup=False`` accepts rlimits only). The
+  launcher moves itself into the cgroups before it execs, so nothing escapes them;
 - a wall-clock timeout that SIGKILLs bwrap, whose ``--die-with-parent`` init takes the whole
   PID namespace (double-forked orphans included) down with it;
 - output written to a file capped by the file-size limit and read back truncated to
@@ -25,6 +35,7 @@ explicitly, and says so loudly on every call (trusted code only).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -56,6 +67,7 @@ class SandboxLimits:
     scratch_mb: int = 64
     tmp_mb: int = 32
     output_bytes: int = 8192
+    shm_mb: int = 8
 
 
 @dataclass
@@ -86,6 +98,60 @@ def _own_cgroup_dir(controller: str) -> Path | None:
     return None
 
 
+def _v2_cgroup_dir() -> Path | None:
+    """This process's cgroup v2 directory if it delegates memory and pids to children we may create."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        path = next(ln.split(":", 2)[2] for ln in lines if ln.startswith("0::"))
+        d = Path("/sys/fs/cgroup") / path.lstrip("/")
+        enabled = set((d / "cgroup.subtree_control").read_text().split())
+    except (OSError, StopIteration):
+        return None
+    return d if {"memory", "pids"} <= enabled and os.access(d, os.W_OK) else None
+
+
+# Syscalls a test program never needs, refused with EPERM (deny-list: an allow-list breaks on
+# every new libc). Keyring: a channel between calls and a per-uid quota; io_uring and
+# userfaultfd: kernel attack surface; ptrace/process_vm_*: other processes' memory; the rest:
+# mounts, namespaces, modules, kexec, perf, bpf and system-wide state.
+DENIED_SYSCALLS = (
+    "add_key", "keyctl", "request_key",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "userfaultfd", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "perf_event_open", "bpf", "fanotify_init", "open_by_handle_at", "name_to_handle_at",
+    "mount", "umount2", "pivot_root", "chroot", "setns", "unshare", "move_mount", "open_tree", "fsopen", "fsmount",
+    "fsconfig", "fspick", "mount_setattr",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog", "settimeofday", "clock_settime", "adjtimex",
+    "sethostname", "setdomainname", "lookup_dcookie", "vhangup", "personality",
+)  # fmt: skip
+ALLOWED_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+
+
+@functools.cache
+def seccomp_filter() -> bytes:
+    """The seccomp BPF program (native arch; other ABIs are killed by libseccomp's default)."""
+    import errno
+
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    for name in DENIED_SYSCALLS:
+        try:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        except (RuntimeError, ValueError, OSError):  # not a syscall on this arch / kernel headers
+            continue
+    for call in ("socket", "socketpair"):
+        for family in range(64):
+            if family not in ALLOWED_SOCKET_FAMILIES:
+                f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, family))
+        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GE, 64))
+    with tempfile.TemporaryFile() as fh:
+        f.export_bpf(fh)
+        fh.seek(0)
+        return fh.read()
+
+
 def check_available(backend: str = "bwrap") -> None:
     """Raise :class:`SandboxUnavailable` with what to install, if the backend cannot run."""
     if backend == "none":
@@ -98,6 +164,12 @@ def check_available(backend: str = "bwrap") -> None:
             f"sandbox needs {', '.join(missing)} (Debian: apt-get install bubblewrap util-linux); model-written "
             "code is never run unsandboxed unless sandbox.backend=none is set explicitly for trusted code"
         )
+    try:
+        seccomp_filter()
+    except (ImportError, OSError, RuntimeError) as e:
+        raise SandboxUnavailable(
+            f"sandbox needs a seccomp filter: pip install pyseccomp and the libseccomp2 library ({type(e).__name__}: {e})"
+        ) from e
     if os.geteuid() != 0 and os.geteuid() != UNPRIVILEGED_UID:
         log.info("sandbox: not root, so code runs as the current uid %d (limits still apply inside)", os.geteuid())
 
@@ -111,6 +183,7 @@ class Sandbox:
         backend: str = "bwrap",
         python: str = "/usr/bin/python3",
         max_concurrency: int = 8,
+        require_cgroup: bool = True,
     ) -> None:
         check_available(backend)
         self.limits = limits or SandboxLimits()
@@ -119,6 +192,14 @@ class Sandbox:
         self.slots = threading.BoundedSemaphore(max_concurrency)
         self.mem_cg = _own_cgroup_dir("memory")
         self.pids_cg = _own_cgroup_dir("pids")
+        self.v2_cg = None if (self.mem_cg and self.pids_cg) else _v2_cgroup_dir()
+        if backend == "bwrap" and not (self.mem_cg and self.pids_cg) and self.v2_cg is None and require_cgroup:
+            raise SandboxUnavailable(
+                "sandbox: no cgroup for the memory and process limits (cgroup v1 memory/pids not writable, and this "
+                "process's cgroup v2 does not delegate memory and pids in cgroup.subtree_control); run the trainer in a "
+                "delegated cgroup (e.g. systemd-run --scope -p Delegate=yes ...) or pass require_cgroup=False to rely "
+                "on rlimits alone (RLIMIT_AS is not a resident-memory limit)"
+            )
 
     # -------------------------------------------------------------- public
     def run(self, code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
@@ -130,9 +211,11 @@ class Sandbox:
             return self._run_bwrap(code, stdin, lim)
 
     # -------------------------------------------------------------- bwrap
-    def _bwrap_argv(self, prog: Path, lim: SandboxLimits) -> list[str]:
+    def _bwrap_argv(self, prog: Path, lim: SandboxLimits, seccomp_fd: int) -> list[str]:
         argv = [
             "bwrap",
+            "--seccomp",
+            str(seccomp_fd),
             "--unshare-all",
             "--unshare-user",
             "--die-with-parent",
@@ -157,6 +240,12 @@ class Sandbox:
             "--proc",
             "/proc",
             "--dev",
+            "/dev",
+            "--size",
+            str(lim.shm_mb << 20),
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
             "/dev",
             "--size",
             str(lim.tmp_mb << 20),
@@ -202,10 +291,15 @@ class Sandbox:
     def _make_cgroups(self, lim: SandboxLimits) -> list[Path]:
         made = []
         name = f"hybrid_rl-sbx-{uuid.uuid4().hex[:12]}"
-        for base, settings in (
-            (self.mem_cg, {"memory.limit_in_bytes": lim.memory_mb << 20, "memory.memsw.limit_in_bytes": lim.memory_mb << 20}),
-            (self.pids_cg, {"pids.max": lim.processes}),
-        ):
+        mem = lim.memory_mb << 20
+        if self.v2_cg is not None:
+            plan = [(self.v2_cg, {"memory.max": mem, "memory.swap.max": 0, "pids.max": lim.processes})]
+        else:
+            plan = [
+                (self.mem_cg, {"memory.limit_in_bytes": mem, "memory.memsw.limit_in_bytes": mem}),
+                (self.pids_cg, {"pids.max": lim.processes}),
+            ]
+        for base, settings in plan:
             if base is None:
                 continue
             d = base / name
@@ -226,13 +320,19 @@ class Sandbox:
         host_dir = Path(tempfile.mkdtemp(prefix="hybrid_rl-sbx-"))
         cgroups: list[Path] = []
         notes: list[str] = []
+        seccomp_fd = -1
         try:
             prog = host_dir / "main.py"
-            prog.write_text(code)
+            # surrogatepass: a lone surrogate reaches Python as invalid UTF-8, which the program's
+            # own SyntaxError reports (str.write_text raised UnicodeEncodeError here before).
+            prog.write_bytes(code.encode("utf-8", "surrogatepass"))
             prog.chmod(0o644)
             host_dir.chmod(0o755)
             out_path, err_path, in_path = host_dir / "stdout", host_dir / "stderr", host_dir / "stdin"
-            in_path.write_text(stdin)
+            in_path.write_bytes(stdin.encode("utf-8", "surrogatepass"))
+            bpf = host_dir / "seccomp.bpf"
+            bpf.write_bytes(seccomp_filter())
+            seccomp_fd = os.open(bpf, os.O_RDONLY)
             cgroups = self._make_cgroups(lim)
             # The launcher (still root) joins the cgroups, then becomes the unprivileged uid and execs bwrap.
             join = " ".join(f'echo $$ > "{d}/cgroup.procs";' for d in cgroups)
@@ -246,8 +346,10 @@ class Sandbox:
                     "--no-new-privs",
                     "--",
                 ]
-            argv = ["sh", "-c", f'{join} exec "$@"', "sandbox", *drop, *self._bwrap_argv(prog, lim)]
+            argv = ["sh", "-c", f'{join} exec "$@"', "sandbox", *drop, *self._bwrap_argv(prog, lim, seccomp_fd)]
             with open(in_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+                # cwd "/": bwrap's init (pid 1 in the sandbox) keeps the launcher's environment,
+                # and sh exports PWD; the trainer's working directory must not show there.
                 proc = subprocess.Popen(
                     argv,
                     stdin=fin,
@@ -255,6 +357,8 @@ class Sandbox:
                     stderr=ferr,
                     start_new_session=True,
                     close_fds=True,
+                    pass_fds=(seccomp_fd,),
+                    cwd="/",
                     env={"PATH": "/usr/bin:/bin"},
                 )
                 timed_out = False
@@ -268,10 +372,16 @@ class Sandbox:
             stderr, t2 = _read_capped(err_path, lim.output_bytes)
             if rc is not None and rc < 0:
                 notes.append(f"killed by signal {-rc}")
+            if rc in (-9, 137) and _oom_killed(cgroups):
+                # The OOM killer leaves no output: say why, so the model is told.
+                notes.append("killed: memory limit")
+                stderr = (stderr + f"\nkilled: memory limit ({lim.memory_mb} MiB)").lstrip("\n")
             return SandboxResult(
                 stdout, stderr, None if timed_out else rc, timed_out, time.perf_counter() - start, t1 or t2, notes
             )
         finally:
+            if seccomp_fd >= 0:
+                os.close(seccomp_fd)
             for d in cgroups:
                 _remove_cgroup(d)
             shutil.rmtree(host_dir, ignore_errors=True)
@@ -308,6 +418,20 @@ def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
     with open(path, "rb") as fh:
         data = fh.read(cap + 1)
     return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
+
+
+def _oom_killed(cgroups: list[Path]) -> bool:
+    """Whether the kernel's OOM killer acted in any of the call's cgroups (v1 memory.oom_control,
+    v2 memory.events: ``oom_kill N``)."""
+    for d in cgroups:
+        for name in ("memory.oom_control", "memory.events"):
+            try:
+                fields = dict(line.split() for line in (d / name).read_text().splitlines() if line.strip())
+            except (OSError, ValueError):
+                continue
+            if int(fields.get("oom_kill", "0")) > 0:
+                return True
+    return False
 
 
 def _remove_cgroup(d: Path) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_rl.batch import Rollout, Sample
-from hybrid_rl.data.chat import encode_delta
+from hybrid_rl.data.chat import encode_tool_turn
 from hybrid_rl.rollout.base import Completion, RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.tools import Tool, ToolCall, ToolResult
 
@@ -117,7 +117,10 @@ class AgentLoop:
         if comp.finish_reason != "stop":
             traj.done, traj.finish_reason = True, comp.finish_reason
             return []
-        calls = self.parser(self.tokenizer.decode(comp.token_ids, skip_special_tokens=False))
+        try:
+            calls = self.parser(self.tokenizer.decode(comp.token_ids, skip_special_tokens=False))
+        except Exception as e:  # one bad turn must not abort the batch: the model is told
+            calls = [ToolCall("", {}, error=f"invalid tool call: {type(e).__name__}")]
         if not calls:
             traj.done, traj.finish_reason = True, "stop"
         elif traj.turns >= self.s.max_turns:
@@ -151,7 +154,8 @@ class AgentLoop:
         traj.tool_calls += len(calls)
         traj.tool_errors += sum(r.text.startswith("error:") for r in results)
         content = "\n".join(self._truncate(r.text) for r in results)
-        ids = encode_delta(self.tokenizer, [{"role": "tool", "content": content}])
+        # Tool output is data: text like "<|im_end|><|im_start|>user" stays text (no forged turns).
+        ids = encode_tool_turn(self.tokenizer, "tool", content)
         traj.response_ids += ids
         traj.mask += [0] * len(ids)
         traj.logprobs += [0.0] * len(ids)
@@ -167,11 +171,7 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ schedulers
     def run(self, records: list[Any], spec: SamplingSpec, group_offset: int, weights_version: int) -> Rollout:
-        trajs = [
-            Trajectory(r, group_offset + i, self._seed(spec, i, k))
-            for i, r in enumerate(records)
-            for k in range(spec.n)
-        ]
+        trajs = [Trajectory(r, group_offset + i, self._seed(spec, i, k)) for i, r in enumerate(records) for k in range(spec.n)]
         start = time.perf_counter()
         runner = _AsyncRunner()
         try:

@@ -19,8 +19,8 @@ import asyncio
 import importlib
 import json
 import operator
-import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -68,6 +68,9 @@ class PythonTool:
             cpu_seconds=max(1, int(timeout_s)), wall_seconds=timeout_s, memory_mb=memory_mb, output_bytes=output_chars
         )
         self.sandbox = Sandbox(limits, backend=backend, max_concurrency=max_concurrency)
+        # Its own pool: asyncio.to_thread's default one has min(32, cores + 4) threads, which
+        # capped a 2-core machine at 6 concurrent calls whatever max_concurrency said.
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="python-tool")
         self.output_chars = output_chars
         self.schema = {
             "type": "function",
@@ -82,7 +85,7 @@ class PythonTool:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return ToolResult("error: python needs a non-empty 'code' string")
-        r = await asyncio.to_thread(self.sandbox.run, code)
+        r = await asyncio.get_running_loop().run_in_executor(self.pool, self.sandbox.run, code)
         if r.timed_out:
             return ToolResult("error: timed out", metrics={"tool/python_timeout": 1.0})
         text = (
@@ -106,8 +109,26 @@ _OPS: dict[type, Callable] = {
 }
 
 
+MAX_EXPRESSION_CHARS = 1000
+MAX_RESULT_BITS = 4096  # integers beyond ~1,200 digits are refused before they are computed
+
+
+def _check_size(op: ast.operator, left: Any, right: Any) -> None:
+    """Refuse, *before* computing it, an integer result wider than MAX_RESULT_BITS: a big-integer
+    power or product holds the GIL (``((9**64)**64)**64`` froze the whole process)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return
+    if isinstance(op, ast.Pow) and right > 0 and abs(left) > 1 and left.bit_length() * right > MAX_RESULT_BITS:
+        raise ValueError("result too large")
+    if isinstance(op, ast.Mult) and left.bit_length() + right.bit_length() > MAX_RESULT_BITS:
+        raise ValueError("result too large")
+
+
 def safe_eval(expression: str) -> float | int:
-    """Evaluate + - * / // % ** on numbers only (no names, calls or attributes); exponents <= 64."""
+    """Evaluate + - * / // % ** on numbers only (no names, calls or attributes); exponents <= 64,
+    integer results <= MAX_RESULT_BITS bits, expressions <= MAX_EXPRESSION_CHARS characters."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
 
     def ev(node: ast.AST) -> Any:
         if isinstance(node, ast.Expression):
@@ -118,12 +139,16 @@ def safe_eval(expression: str) -> float | int:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 64:
                 raise ValueError("exponent too large")
+            _check_size(node.op, left, right)
             return _OPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError(f"unsupported expression element {type(node).__name__}")
 
-    return ev(ast.parse(expression, mode="eval"))
+    try:
+        return ev(ast.parse(expression, mode="eval"))
+    except (RecursionError, MemoryError) as e:
+        raise ValueError("expression too deeply nested") from e
 
 
 class CalculatorTool:
@@ -149,6 +174,8 @@ class CalculatorTool:
             value = safe_eval(expr)
         except (ValueError, SyntaxError, ZeroDivisionError, OverflowError, TypeError) as e:
             return ToolResult(f"error: {e}")
+        except Exception as e:  # never let a model's expression take the rollout down
+            return ToolResult(f"error: {type(e).__name__}")
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         return ToolResult(str(value))
@@ -177,13 +204,62 @@ def load_tools(path: str | Path) -> list[Tool]:
     return tools
 
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALL_CHARS = 16384
+MAX_JSON_DEPTH = 64
+
+
+def _hermes_blocks(text: str) -> list[str]:
+    """The stripped contents of ``<tool_call>...</tool_call>`` blocks, found with ``str.find``:
+    linear in the text (the regex ``<tool_call>\\s*(.*?)\\s*</tool_call>`` backtracked: 7 s for an
+    unclosed tag followed by 2,000 spaces, 82 s for 4,000, on the rollout's thread)."""
+    blocks, pos = [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        blocks.append(text[start + len(_OPEN) : end].strip())
+        pos = end + len(_CLOSE)
+    return blocks
+
+
+def _json_depth(raw: str) -> int:
+    """Deepest bracket nesting outside strings (linear; bounds json.loads' recursion)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in raw:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 def parse_hermes(text: str) -> list[ToolCall]:
-    """Tool calls in Qwen/Hermes format; malformed JSON becomes a call with ``error`` set."""
+    """Tool calls in Qwen/Hermes format; malformed JSON becomes a call with ``error`` set. Never
+    raises, linear in the text: calls longer than MAX_CALL_CHARS or nested deeper than
+    MAX_JSON_DEPTH are errors (1,000 nested brackets raised RecursionError before)."""
     calls = []
-    for raw in _HERMES.findall(text):
+    for raw in _hermes_blocks(text):
+        if len(raw) > MAX_CALL_CHARS or _json_depth(raw) > MAX_JSON_DEPTH:
+            calls.append(
+                ToolCall(
+                    "",
+                    {},
+                    error=f"invalid tool call: longer than {MAX_CALL_CHARS} characters or nested deeper than {MAX_JSON_DEPTH}",
+                )
+            )
+            continue
         try:
             obj = json.loads(raw)
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -194,8 +270,8 @@ def parse_hermes(text: str) -> list[ToolCall]:
             if not isinstance(args, dict):
                 raise ValueError("arguments must be an object")
             calls.append(ToolCall(obj["name"], args))
-        except (json.JSONDecodeError, ValueError) as e:
-            calls.append(ToolCall("", {}, error=f"invalid tool call: {e}"))
+        except (json.JSONDecodeError, ValueError, RecursionError) as e:
+            calls.append(ToolCall("", {}, error=f"invalid tool call: {type(e).__name__}: {e}"[:300]))
     return calls
 
 

@@ -271,7 +271,9 @@ def run_rm(cfg: Any, ctx: DistContext, export_dir: str | None = None) -> dict[st
     last: dict[str, float] = {}
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        last = engine.train_batch(rows_for([mine[i] for i in sampler.next_batch()], tok.pad_token_id), loss_fn, metric_weight="rows")
+        last = engine.train_batch(
+            rows_for([mine[i] for i in sampler.next_batch()], tok.pad_token_id), loss_fn, metric_weight="rows"
+        )
         last["timing/step"] = time.perf_counter() - start
         if step % 10 == 0 or step == steps:
             logger.log(step, last)

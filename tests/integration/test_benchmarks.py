@@ -33,6 +33,7 @@ CASES = {
     "switch_overhead": ["--presets", "micro", "--repeats", "1"],
     "split_pool": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "1"],
     "sandbox_latency": ["--runs", "4", "--concurrency", "1,2"],
+    "checkpoint_cost": ["--presets", "micro", "--repeats", "1"],
 }
 SLOW = {
     "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2"],

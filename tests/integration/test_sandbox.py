@@ -172,3 +172,127 @@ def test_code_reward_scores_fraction_of_tests_passed():
     assert code_reward("code", good, tests) == pytest.approx(2 / 3)
     assert code_reward("code", "```python\nwhile True: pass\n```", tests) == 0.0
     assert code_reward("code", "```python\nimport socket; socket.create_connection(('8.8.8.8', 53))\n```", tests) == 0.0
+
+
+# ---------------------------------------------------------------- isolation gaps closed (attack run 2)
+def test_dev_shm_is_size_limited_and_dev_is_read_only(sandbox):
+    """bwrap's own /dev is an unsized tmpfs: 248 MiB were written to /dev/shm before."""
+    r = sandbox.run(
+        "import os\n"
+        "n = 0\n"
+        "try:\n"
+        "    with open('/dev/shm/fill', 'wb') as f:\n"
+        "        for n in range(1, 200):\n"
+        "            f.write(b'x' * (1 << 20)); f.flush()\n"
+        "except OSError as e:\n"
+        "    print('stopped', n, e.errno)\n"
+        "for path in ('/dev/fill', '/dev/x/y'):\n"
+        "    try:\n"
+        "        open(path, 'w').write('x'); print('wrote', path)\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno)\n"
+        "open('/dev/null', 'w').write('ok'); print('null ok')\n"
+    )
+    assert "stopped" in r.stdout and int(r.stdout.split()[1]) <= 8, r  # shm_mb = 8 (and fsize 4 MiB here)
+    assert "wrote" not in r.stdout and "null ok" in r.stdout
+
+
+KERNEL_PROBES = (
+    "import ctypes, errno, socket\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "def sc(name, nr, *a):\n"
+    "    rc = libc.syscall(nr, *a); print(name, rc, ctypes.get_errno())\n"
+    "sc('add_key', 248, b'user', b'k', b'v', 1, -2)\n"  # KEY_SPEC_PROCESS_KEYRING... any keyring call
+    "sc('keyctl', 250, 0, -3, 0, 0, 0)\n"
+    "sc('io_uring_setup', 425, 1, 0)\n"
+    "sc('userfaultfd', 323, 1)\n"
+    "sc('ptrace', 101, 16, 1, 0, 0)\n"  # PTRACE_ATTACH to pid 1
+    "sc('perf_event_open', 298, 0, 0, -1, -1, 0)\n"
+    "for fam in (40, 16, 17):\n"  # AF_VSOCK, AF_NETLINK, AF_PACKET
+    "    try:\n"
+    "        socket.socket(fam, socket.SOCK_DGRAM if fam != 40 else socket.SOCK_STREAM); print('family', fam, 'open')\n"
+    "    except OSError as e:\n"
+    "        print('family', fam, 'refused', e.errno)\n"
+    "socket.socket(socket.AF_INET); socket.socket(socket.AF_UNIX); print('inet unix ok')\n"
+)
+
+
+def test_seccomp_refuses_keyring_io_uring_userfaultfd_ptrace_and_foreign_sockets(sandbox):
+    r = sandbox.run(KERNEL_PROBES)
+    assert r.ok, r
+    lines = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if " " in ln)
+    for name in ("add_key", "keyctl", "io_uring_setup", "userfaultfd", "ptrace", "perf_event_open"):
+        rc, err = lines[name].split()
+        assert rc == "-1" and int(err) == 1, (name, lines[name])  # EPERM from the filter
+    for fam in (40, 16, 17):
+        assert f"family {fam} refused 97" in r.stdout, r.stdout  # EAFNOSUPPORT
+    assert "inet unix ok" in r.stdout
+
+
+def test_keyring_is_not_a_channel_between_calls(sandbox):
+    add = "import ctypes; l = ctypes.CDLL(None, use_errno=True); print(l.syscall(248, b'user', b'chan', b'secret', 6, -4))"
+    read = "import ctypes; l = ctypes.CDLL(None, use_errno=True); print(l.syscall(250, 10, -4, 0, 0, 0), ctypes.get_errno())"
+    assert sandbox.run(add).stdout.strip() == "-1"
+    assert "secret" not in sandbox.run(read).stdout
+
+
+def test_lone_surrogate_and_nul_in_code_never_raise(sandbox):
+    r = sandbox.run("print('\ud800')")
+    assert r.returncode != 0 and "SyntaxError" in r.stderr
+    r = sandbox.run("print(1)\x00")
+    assert r.returncode is not None
+    r = sandbox.run("print(input())", stdin="\udcff ok")
+    assert r.returncode is not None
+
+
+def test_a_call_killed_for_memory_says_so(sandbox):
+    """tmpfs pages count against the call's memory cgroup; the OOM kill is reported by name."""
+    if sandbox.mem_cg is None and sandbox.v2_cg is None:
+        pytest.skip("no memory cgroup on this host")
+    big = Sandbox(SandboxLimits(memory_mb=96, tmp_mb=64, file_size_mb=64, wall_seconds=20))
+    r = big.run(
+        "f = open('/tmp/x', 'wb')\n"
+        "for _ in range(60): f.write(b'x' * (1 << 20))\n"
+        "f.close()\n"
+        "x = bytearray(80 << 20)\n"
+        "for i in range(0, len(x), 4096): x[i] = 1\n"
+        "print('survived')\n"
+    )
+    assert "survived" not in r.stdout
+    assert "killed: memory limit" in r.stderr and "killed: memory limit" in r.notes
+
+
+def test_the_trainers_working_directory_is_not_visible(sandbox):
+    r = sandbox.run(
+        "import os\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        print(open(f'/proc/{p}/environ').read())"
+    )
+    assert os.getcwd() not in r.stdout and "/root" not in r.stdout
+
+
+def test_without_a_cgroup_the_sandbox_refuses_to_start(monkeypatch):
+    """A cgroup-v2-only host without a delegated subtree: no silent loss of the memory limit."""
+    from hybrid_rl.rewards import sandbox as sb
+
+    monkeypatch.setattr(sb, "_own_cgroup_dir", lambda controller: None)
+    monkeypatch.setattr(sb, "_v2_cgroup_dir", lambda: None)
+    with pytest.raises(SandboxUnavailable, match="no cgroup for the memory and process limits"):
+        Sandbox()
+    assert Sandbox(require_cgroup=False).run("print(3)").stdout == "3\n"
+
+
+def test_python_tool_runs_as_many_calls_at_once_as_configured():
+    import asyncio
+
+    from hybrid_rl.rollout.tools import PythonTool
+
+    tool = PythonTool(timeout_s=10, max_concurrency=8)
+    code = "import time; time.sleep(1.0); print('ok')"
+
+    async def many():
+        t = time.perf_counter()
+        out = await asyncio.gather(*(tool.execute({"code": code}) for _ in range(8)))
+        return time.perf_counter() - t, out
+
+    seconds, out = asyncio.run(many())
+    assert all(r.text == "ok" for r in out)
+    assert seconds < 1.9, f"8 one-second calls took {seconds:.2f} s: fewer than 8 ran at once"
