@@ -15,9 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field(s)."""
+from hybrid_rl.errors import ConfigError
 
 
 @dataclass

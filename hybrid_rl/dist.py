@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.errors import RankFailure  # re-exported
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -138,10 +140,6 @@ def gather_rows(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
             pieces = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in pieces]
         out[k] = torch.cat(pieces)
     return out, slice(start, start + n_local)
-
-
-class RankFailure(RuntimeError):
-    """A phase failed on some rank; raised on every rank so none is left waiting."""
 
 
 def raise_if_any_failed(error: BaseException | None, what: str) -> None:

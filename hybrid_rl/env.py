@@ -36,15 +36,13 @@ import os
 import platform
 from pathlib import Path
 
+from hybrid_rl.errors import AMXPermissionError  # re-exported
+
 # x86_64 arch_prctl(2): syscall number and the extended-state permission codes (asm/prctl.h).
 _SYS_ARCH_PRCTL = 158
 _ARCH_GET_XCOMP_PERM = 0x1022
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
-
-
-class AMXPermissionError(RuntimeError):
-    """The CPU has AMX but the kernel refused this process the AMX tile state."""
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:

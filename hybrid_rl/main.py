@@ -16,7 +16,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from hybrid_rl.config import ConfigError, register_configs
+from hybrid_rl.config import register_configs
 from hybrid_rl.env import setup_process_env
 
 log = logging.getLogger("hybrid_rl")
@@ -82,38 +82,14 @@ def run(cfg: DictConfig) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 1) // max(world, 1)))
-    from hybrid_rl.data.dataset import DataError
-    from hybrid_rl.dist import RankFailure, init_distributed, shutdown_distributed
-    from hybrid_rl.hybrid.switch import StaleWeightsError
-    from hybrid_rl.rewards.pool import RewardFailure
+    from hybrid_rl.dist import init_distributed, shutdown_distributed
+    from hybrid_rl.errors import HybridRLError
+    from hybrid_rl.tasks import TASKS
 
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
-    expected_errors: list[type[BaseException]] = [ConfigError, DataError, RewardFailure, StaleWeightsError, RankFailure]
     try:
-        if cfg.trainer.task == "sft":
-            from hybrid_rl.trainer.sft import run_sft
-
-            run_sft(cfg, ctx, evaluate_after=True)
-        elif cfg.trainer.task == "dpo":
-            from hybrid_rl.trainer.preference import run_dpo
-
-            run_dpo(cfg, ctx)
-        elif cfg.trainer.task == "rm":
-            from hybrid_rl.trainer.preference import run_rm
-
-            run_rm(cfg, ctx)
-        else:
-            from hybrid_rl.trainer.rl import NumericalError, RLTrainer
-
-            expected_errors.append(NumericalError)
-            trainer = RLTrainer(cfg, ctx)
-            try:
-                trainer.fit()
-            finally:
-                trainer.close()
-    except Exception as e:
-        if not isinstance(e, tuple(expected_errors)):
-            raise
+        TASKS[cfg.trainer.task](cfg, ctx)
+    except HybridRLError as e:  # expected: one line naming what is at fault, exit 2
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
         shutdown_distributed()
         sys.exit(2)

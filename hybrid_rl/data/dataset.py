@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_rl.env import cache_root
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the file, row and field."""
+from hybrid_rl.errors import DataError  # re-exported
 
 
 @dataclass

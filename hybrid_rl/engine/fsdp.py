@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from hybrid_rl.batch import ModelOutputs, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
 from hybrid_rl.engine.heads import Sampling
+from hybrid_rl.errors import ModelPathError
 
 LossFn = Callable[[ModelOutputs, TrainBatch], tuple[Tensor, dict]]
 
@@ -383,8 +384,6 @@ def load_hf_causal_lm(
             path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
     except Exception as e:
-        from hybrid_rl.trainer.build import ModelPathError
-
         raise ModelPathError(f"model.path={path!r}: cannot load the model ({type(e).__name__}: {e})") from e
     model.config.use_cache = False
     return model

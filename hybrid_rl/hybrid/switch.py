@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from hybrid_rl.errors import StaleWeightsError
 from hybrid_rl.rollout.base import RolloutEngine
 from hybrid_rl.timing import PhaseTimer
 
@@ -64,10 +65,6 @@ class ShardedWeights(Protocol):
     def offload_optimizer(self) -> int: ...
 
     def reload_optimizer(self) -> int: ...
-
-
-class StaleWeightsError(RuntimeError):
-    """A rollout produced by older weights than the trainer allows."""
 
 
 @dataclass

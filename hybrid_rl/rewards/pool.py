@@ -23,13 +23,10 @@ from typing import Any
 
 from pebble import ProcessPool
 
+from hybrid_rl.errors import RewardFailure  # re-exported
 from hybrid_rl.rewards.functions import resolve
 
 FnSpec = tuple[str, str | None, str | None, float]  # name, path, function, weight
-
-
-class RewardFailure(RuntimeError):
-    """Reward functions failed on every sample for too many consecutive steps."""
 
 
 @dataclass

@@ -47,13 +47,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_rl.errors import SandboxUnavailable  # re-exported
+
 log = logging.getLogger("hybrid_rl")
 
 UNPRIVILEGED_UID = 65534  # nobody
-
-
-class SandboxUnavailable(RuntimeError):
-    """No working isolation mechanism is installed."""
 
 
 @dataclass

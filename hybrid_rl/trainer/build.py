@@ -1,4 +1,7 @@
-"""Building the pieces a run needs from the typed config: model path, tokenizer, engines, data."""
+"""Building the pieces a run needs from the typed config: tokenizer, engines, tools, lengths.
+
+Nothing here runs a training job: the builtin models (``builtin:tiny-sft`` ...) are made by the
+task layer above (:mod:`hybrid_rl.tasks`), which hands trainers a model path."""
 
 from __future__ import annotations
 
@@ -10,14 +13,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hybrid_rl.config import ConfigError
-from hybrid_rl.dist import DistContext, barrier, broadcast_object
+from hybrid_rl.dist import DistContext
+from hybrid_rl.errors import ConfigError, ModelPathError
 
 log = logging.getLogger("hybrid_rl")
-
-
-class ModelPathError(ConfigError):
-    """model.path is missing, corrupt, or not a usable HF folder."""
 
 
 def check_model_dir(path: str) -> None:
@@ -73,47 +72,6 @@ def compose_recipe(recipe: str, preset: str) -> Any:
 
 def conf_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "conf"
-
-
-def resolve_builtin(path: str, cfg: Any, ctx: DistContext) -> str:
-    """A builtin model: ``builtin:tiny`` (random init) or one a recipe builds on first use and caches:
-    ``builtin:tiny-sft`` (``model.sft_recipe``) and ``builtin:tiny-rm`` (``rm_math``)."""
-    from hybrid_rl.env import cache_root
-    from hybrid_rl.models.tiny import tiny_model_path
-
-    preset = cfg.model.preset
-    if path == "builtin:tiny":
-        if ctx.is_main:
-            tiny_model_path(preset)
-        barrier()
-        return str(tiny_model_path(preset))
-    recipes = {"builtin:tiny-sft": cfg.model.sft_recipe, "builtin:tiny-rm": "rm_math"}
-    if path not in recipes:
-        raise ModelPathError(f"model path {path!r}: unknown builtin; known: builtin:tiny, {', '.join(recipes)}")
-    recipe = recipes[path]
-    recipe_cfg = compose_recipe(recipe, preset)
-    out = cache_root() / "models" / f"{preset}-{recipe}-{recipe_cache_key(recipe_cfg)}"
-    if not (out / "model.safetensors").exists():
-        log.info("building %s with the %s recipe (once; cached at %s)", path, recipe, out)
-        if recipe_cfg.trainer.task == "rm":
-            from hybrid_rl.trainer.preference import run_rm
-
-            run_rm(recipe_cfg, ctx, export_dir=str(out))
-        else:
-            from hybrid_rl.trainer.sft import run_sft
-
-            run_sft(recipe_cfg, ctx, export_dir=str(out))
-    barrier()
-    return str(out)
-
-
-def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
-    """A local folder for ``model.path``, building the project's own model on first use."""
-    path = cfg.model.path
-    if path.startswith("builtin:"):
-        return resolve_builtin(path, cfg, ctx)
-    check_model_dir(path)
-    return str(broadcast_object(path))
 
 
 def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_len: int, seed: int):

@@ -28,7 +28,7 @@ from hybrid_rl.data.preference import (
 )
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, barrier
 from hybrid_rl.engine.fsdp import MASTER_DTYPE, FSDPEngine, OptimConfig, build_policy_engine, to_dtype
-from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len, resolve_model_path
+from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len
 from hybrid_rl.trainer.logger import MetricsLogger
 
 log = logging.getLogger("hybrid_rl")
@@ -150,8 +150,7 @@ def dpo_eval(policy: FSDPEngine, ref_val: torch.Tensor, val: list[PreferenceExam
     return {"val/preference_accuracy": hits / max(n, 1), "val/policy_prefers_chosen": raw / max(n, 1), "val/pairs": n}
 
 
-def run_dpo(cfg: Any, ctx: DistContext) -> dict[str, float]:
-    model_path = resolve_model_path(cfg, ctx)
+def run_dpo(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
     tok = load_tokenizer(model_path)
     train_files, val_files = preference_files(cfg, ctx, model_path, tok)
     train = load_preferences(train_files, tok, cfg.data, "pairs")
@@ -246,8 +245,7 @@ def rm_eval(engine: FSDPEngine, val: list[PreferenceExample], pad_id: int) -> di
     return {"val/rm_pairwise_accuracy": hits / max(n, 1), "val/rm_bt_prob": prob / max(n, 1), "val/pairs": n}
 
 
-def run_rm(cfg: Any, ctx: DistContext, export_dir: str | None = None) -> dict[str, float]:
-    model_path = resolve_model_path(cfg, ctx)
+def run_rm(cfg: Any, ctx: DistContext, model_path: str, export_dir: str | None = None) -> dict[str, float]:
     tok = load_tokenizer(model_path)
     train_files, val_files = preference_files(cfg, ctx, model_path, tok)
     kind = cfg.preference.rm_loss

@@ -41,6 +41,7 @@ from hybrid_rl.dist import (
 )
 from hybrid_rl.engine.fsdp import build_policy_engine, build_value_engine, to_dtype
 from hybrid_rl.engine.heads import Sampling
+from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import fault_active, maybe_fail
 from hybrid_rl.hybrid.switch import HybridSwitch, SwitchReport
 from hybrid_rl.rewards.pool import RewardPool
@@ -55,17 +56,11 @@ from hybrid_rl.trainer.build import (
     build_tools,
     load_tokenizer,
     max_model_len,
-    resolve_builtin,
-    resolve_model_path,
 )
 from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.validation import evaluate, single_turn_sampler
 
 log = logging.getLogger("hybrid_rl")
-
-
-class NumericalError(RuntimeError):
-    """Training cannot continue: repeated non-finite losses/gradients, or non-finite weights."""
 
 
 def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -93,13 +88,13 @@ class AppState:
 
 
 class RLTrainer:
-    def __init__(self, cfg: Any, ctx: DistContext) -> None:
+    def __init__(self, cfg: Any, ctx: DistContext, model_path: str, reward_model_path: str | None = None) -> None:
         validate(cfg, ctx.world_size)
         self.cfg, self.ctx = cfg, ctx
         self.out_dir = Path(cfg.trainer.output_dir)
         torch.manual_seed(cfg.trainer.seed + ctx.rank)
         random.seed(cfg.trainer.seed + ctx.rank)
-        self.model_path = resolve_model_path(cfg, ctx)
+        self.model_path = model_path
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
         check_chat_template(self.tokenizer, self.model_path)
         max_len = max_model_len(cfg, self.model_path)
@@ -140,15 +135,10 @@ class RLTrainer:
             )
         )
         self.reward_model = None
-        if cfg.reward.reward_model.path:
+        if reward_model_path:
             from hybrid_rl.trainer.preference import build_reward_engine
 
-            rm_path = (
-                resolve_builtin(cfg.reward.reward_model.path, cfg, ctx)
-                if cfg.reward.reward_model.path.startswith("builtin:")
-                else cfg.reward.reward_model.path
-            )
-            self.reward_model = build_reward_engine(rm_path, cfg, ctx, 1, trainable=False)
+            self.reward_model = build_reward_engine(reward_model_path, cfg, ctx, 1, trainable=False)
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]

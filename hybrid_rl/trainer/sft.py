@@ -20,7 +20,7 @@ from hybrid_rl.data.chat import assemble_trajectory
 from hybrid_rl.data.dataset import DataError, PromptSampler, get_path, load_prompts, read_rows, resolve_files
 from hybrid_rl.dist import DistContext, all_reduce_sum, barrier
 from hybrid_rl.engine.fsdp import build_policy_engine
-from hybrid_rl.trainer.build import build_tools, load_tokenizer, max_model_len, resolve_model_path
+from hybrid_rl.trainer.build import build_tools, load_tokenizer, max_model_len
 from hybrid_rl.trainer.logger import MetricsLogger
 
 log = logging.getLogger("hybrid_rl")
@@ -59,9 +59,10 @@ def sft_samples(files: list[Path], tokenizer: Any, cfg: Any, tools: list[dict] |
     return samples
 
 
-def run_sft(cfg: Any, ctx: DistContext, export_dir: str | None = None, evaluate_after: bool = False) -> dict[str, float]:
+def run_sft(
+    cfg: Any, ctx: DistContext, model_path: str, export_dir: str | None = None, evaluate_after: bool = False
+) -> dict[str, float]:
     """Train for ``trainer.total_steps`` steps (or ``trainer.sft_epochs``); export an HF folder."""
-    model_path = resolve_model_path(cfg, ctx)
     tok = load_tokenizer(model_path)
     _, schemas = build_tools(cfg)
     samples = sft_samples(resolve_files(cfg.data.train_files, "train", cfg.data.synth), tok, cfg.data, schemas)
