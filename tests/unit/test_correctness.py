@@ -18,8 +18,9 @@ from hybrid_rl.batch import Rollout, Sample, collate
 from hybrid_rl.engine.heads import Sampling, logprobs_and_entropy, truncate_logits
 from hybrid_rl.hybrid.switch import HybridSwitch, StaleWeightsError
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, prompt_seed
+from hybrid_rl.trainer.collect import RolloutCollector, merge_round_metrics
 from hybrid_rl.trainer.logger import MetricsLogger
-from hybrid_rl.trainer.rl import RLTrainer, merge_round_metrics
+from hybrid_rl.trainer.rl import RLTrainer
 
 pytestmark = pytest.mark.unit
 
@@ -207,12 +208,12 @@ def test_remax_greedy_baseline_is_each_prompts_greedy_reward():
             s.score = float(s.response_ids[0])  # the greedy answer's token is the prompt length
 
     stub = SimpleNamespace(
-        rollout_engine=_GreedyEngine(),
+        engine=_GreedyEngine(),
         cfg=SimpleNamespace(rollout=SimpleNamespace(max_response_length=4)),
         switch=SimpleNamespace(engine_version=0),
         score=score,
     )
-    RLTrainer.add_greedy_baseline(stub, prompts, rollout)
+    RolloutCollector.add_greedy_baseline(stub, prompts, rollout)
     assert [s.baseline_score for s in samples] == [2.0, 2.0, 5.0, 5.0]
     assert rollout.stats["rollout/greedy_baseline_mean"] == 3.5
     b = collate(samples, 0)

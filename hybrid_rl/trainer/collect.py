@@ -1,0 +1,260 @@
+"""The rollout collector: prompts -> generate -> score -> dynamic-sampling refill -> deal to ranks.
+
+One entry point per step, :meth:`RolloutCollector.collect`. It owns everything between the
+prompt data and a scored :class:`~hybrid_rl.batch.Rollout`: the prompt sampler's position, the
+per-prompt sampling seeds, single-turn groups or multi-turn agent episodes, ReMax's greedy
+baseline, the reward pool and an optional learned reward model, and DAPO's extra generation
+rounds. The trainer (:mod:`hybrid_rl.trainer.rl`) only sees the result.
+
+With vLLM tensor parallelism (``rollout.tensor_parallel_size = tp > 1``, CUDA) the tp ranks of a
+group drive one engine and must feed it identical requests: prompts are split over the
+``world_size / tp`` data-parallel groups, and each rank then trains on its 1/tp of the samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty
+from hybrid_rl.batch import Rollout, collate
+from hybrid_rl.data.dataset import PromptSampler
+from hybrid_rl.dist import DistContext, all_gather_objects, raise_if_any_failed
+from hybrid_rl.faults import maybe_fail
+from hybrid_rl.hybrid.switch import HybridSwitch
+from hybrid_rl.rewards.pool import RewardPool
+from hybrid_rl.rollout.agent import AgentLoop, AgentSettings
+from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec, prompt_seed
+from hybrid_rl.rollout.sampler import sample_groups
+from hybrid_rl.rollout.tools import get_parser
+from hybrid_rl.timing import PhaseTimer
+from hybrid_rl.trainer.validation import single_turn_sampler
+
+
+def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Reward metrics over every DAPO generation round (equal-sized rounds): counts summed,
+    the rest averaged."""
+    out: dict[str, float] = {}
+    for k in rounds[0]:
+        vals = [r[k] for r in rounds if k in r]
+        out[k] = sum(vals) if k in ("reward/failed", "reward/timeouts") else sum(vals) / len(vals)
+    return out
+
+
+class RolloutCollector:
+    """Turns the next prompts into this rank's scored samples for one step."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        ctx: DistContext,
+        engine: RolloutEngine,
+        switch: HybridSwitch,
+        tokenizer: Any,
+        tools: list,
+        train_records: list[Any],
+        sampler: PromptSampler,
+        reward_pool: RewardPool,
+        reward_model: Any = None,
+    ) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.engine, self.switch, self.tokenizer, self.tools = engine, switch, tokenizer, tools
+        self.train_records, self.sampler = train_records, sampler
+        self.reward_pool, self.reward_model = reward_pool, reward_model
+        self.step_idx = 0
+
+    @property
+    def response_budget(self) -> int:
+        """The most tokens a response may have: the agent's whole-episode budget (model + tool
+        tokens) in agent mode, else rollout.max_response_length. The overlong penalty and the
+        constant length of seq-mean-token-sum-norm are keyed to it."""
+        ag = self.cfg.rollout.agent
+        return ag.max_response_tokens if ag.enable else self.cfg.rollout.max_response_length
+
+    @property
+    def tp(self) -> int:
+        return self.cfg.rollout.tensor_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.world_size // self.tp
+
+    def next_prompts(self) -> list[Any]:
+        idx = self.sampler.next_batch()
+        per = len(idx) // self.dp_size
+        return [self.train_records[i] for i in idx[self.dp_rank * per : (self.dp_rank + 1) * per]]
+
+    def sampling_spec(self, group_ids: list[int], round_idx: int = 0) -> SamplingSpec:
+        """One seed per prompt, hashed from (run seed, step, generation round, global prompt
+        index): rollouts are a function of the weights and those keys (exact resume), and no two
+        prompts, ranks or rounds share sampling noise."""
+        r = self.cfg.rollout
+        seeds = [prompt_seed(self.cfg.trainer.seed, self.step_idx, round_idx, g) for g in group_ids]
+        return SamplingSpec(
+            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seeds=seeds
+        )
+
+    def generate(self, prompts: list[Any], round_idx: int = 0) -> Rollout:
+        offset = (round_idx * self.dp_size + self.dp_rank) * len(prompts)
+        spec = self.sampling_spec([offset + i for i in range(len(prompts))], round_idx)
+        # Stamped with the version the engine really holds (set only by a completed sync).
+        version = self.switch.engine_version
+        if self.cfg.rollout.agent.enable:
+            rollout = self.agent_loop().run(prompts, spec, offset, version)
+        else:
+            rollout = sample_groups(self.engine, prompts, offset, spec, version)
+        if self.cfg.algorithm.greedy_baseline:
+            self.add_greedy_baseline(prompts, rollout)
+        if self.tp > 1:
+            rollout.samples = rollout.samples[self.ctx.rank % self.tp :: self.tp]
+        return rollout
+
+    def agent_loop(self) -> AgentLoop:
+        ag = self.cfg.rollout.agent
+        settings = AgentSettings(
+            max_turns=ag.max_turns,
+            max_response_tokens=ag.max_response_tokens,
+            tool_response_max_tokens=ag.tool_response_max_tokens,
+            tool_response_keep=ag.tool_response_keep,
+            scheduling=ag.scheduling,
+        )
+        return AgentLoop(self.engine, self.tools, self.tokenizer, settings, get_parser(ag.parser))
+
+    def val_sampler(self):
+        """Validation episodes: one generate call, or full multi-turn episodes with the agent loop."""
+        if not self.cfg.rollout.agent.enable:
+            return single_turn_sampler(self.engine, self.tokenizer)
+
+        def sample(records: list[Any], spec: SamplingSpec) -> tuple[list[list[str]], dict[str, float]]:
+            out = self.agent_loop().run(records, spec, 0, self.switch.engine_version)
+            texts = [
+                self.tokenizer.decode(
+                    [t for t, m in zip(s.response_ids, s.response_mask, strict=True) if m], skip_special_tokens=True
+                )
+                for s in out.samples
+            ]
+            per = spec.n
+            grouped = [texts[i * per : (i + 1) * per] for i in range(len(records))]
+            n = len(out.samples)
+            stats = {
+                k.split("/", 1)[1]: v * n / per
+                for k, v in out.stats.items()
+                if k in ("agent/turns_mean", "agent/tool_call_rate", "agent/tool_calls_mean")
+            }
+            return grouped, stats
+
+        return sample
+
+    def add_greedy_baseline(self, prompts: list[Any], rollout: Rollout) -> None:
+        """ReMax: score the greedy answer to each prompt; it is the baseline of that prompt's samples."""
+        greedy = sample_groups(
+            self.engine,
+            prompts,
+            0,
+            SamplingSpec(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_response_length),
+            self.switch.engine_version,
+        )
+        self.score(greedy)
+        per_prompt = len(rollout.samples) // len(prompts)
+        for i, s in enumerate(rollout.samples):
+            s.baseline_score = greedy.samples[i // per_prompt].score
+        rollout.stats["rollout/greedy_baseline_mean"] = sum(g.score for g in greedy.samples) / len(greedy.samples)
+
+    def collect(self, step_idx: int, timer: PhaseTimer, m: dict[str, float]) -> Rollout:
+        """Generate and score; with ``algorithm.filter_groups`` keep drawing batches until enough
+        informative groups are collected (DAPO dynamic sampling), then deal them out to ranks.
+        ``step_idx`` is the number of finished steps (it keys the sampling seeds)."""
+        self.step_idx = step_idx
+        a = self.cfg.algorithm
+        error, rollout = None, None
+        try:
+            with timer.phase("generate"):
+                maybe_fail("generate", self.step_idx + 1, self.ctx.rank)
+                rollout = self.generate(self.next_prompts())
+            with timer.phase("reward"):
+                m.update(self.score(rollout))
+        except Exception as e:  # RewardFailure too: every rank must learn of it, or the others hang
+            error = e
+        raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
+        if not a.filter_groups:
+            return rollout
+        target = self.cfg.data.train_batch_size * self.cfg.rollout.n
+        kept, drawn, rounds = [], 0, 0
+        round_metrics = [{k: v for k, v in m.items() if k.startswith("reward/")}]
+        while True:
+            everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
+            drawn += len({s.group for s in everyone})
+            mask = informative_groups(torch.tensor([s.score for s in everyone]), torch.tensor([s.group for s in everyone]))
+            kept += [s for s, k in zip(everyone, mask.tolist(), strict=True) if k]
+            rounds += 1
+            if len(kept) >= target or rounds >= a.max_gen_rounds:
+                break
+            with timer.phase("generate"):
+                extra = self.generate(self.next_prompts(), round_idx=rounds)
+            with timer.phase("reward"):
+                round_metrics.append(self.score(extra))
+            for k, v in extra.stats.items():
+                rollout.stats[k] = rollout.stats.get(k, 0.0) + v
+            rollout = Rollout(extra.samples, extra.weights_version, rollout.stats)
+        m.update(merge_round_metrics(round_metrics))
+        per_rank = min(len(kept), target) // self.ctx.world_size
+        mine = kept[: per_rank * self.ctx.world_size][self.ctx.rank :: self.ctx.world_size]
+        m.update(
+            {
+                "dapo/gen_rounds": float(rounds),
+                "dapo/prompts_drawn": float(drawn),
+                "dapo/kept_samples": float(len(kept)),
+                "dapo/used_samples": float(per_rank * self.ctx.world_size),
+            }
+        )
+        return Rollout(mine, rollout.weights_version, rollout.stats)
+
+    def score(self, rollout: Rollout) -> dict[str, float]:
+        samples = rollout.samples
+        # Only what the model wrote is scored: tool output must not answer for it.
+        texts = self.tokenizer.batch_decode(
+            [[t for t, m in zip(s.response_ids, s.response_mask, strict=True) if m] for s in samples], skip_special_tokens=True
+        )
+        items = [
+            (s.data_source, t, s.ground_truth, {**s.extra_info, "finish_reason": s.finish_reason})
+            for s, t in zip(samples, texts, strict=True)
+        ]
+        results = self.reward_pool.score(items)
+        a = self.cfg.algorithm
+        # The model's own tokens only: tool output is not the model's verbosity.
+        penalty = overlong_penalty(
+            torch.tensor([sum(s.response_mask) for s in samples]),
+            self.response_budget,
+            a.overlong_buffer,
+            a.overlong_penalty_factor,
+        )
+        learned = self.score_with_reward_model(samples)
+        for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):
+            s.score, s.reward_extra = r.score + p + lr, {**r.components, **r.extra}
+        self.reward_pool.check_failures(results)
+        scores = torch.tensor([s.score for s in samples])
+        m = {
+            "reward/overlong_penalty": float(penalty.mean()),
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "reward/failed": float(sum(r.failed > 0 for r in results)),
+            "reward/timeouts": float(sum(r.timed_out for r in results)),
+        }
+        for name in results[0].components:
+            m[f"reward/{name}"] = sum(r.components[name] for r in results) / len(results)
+        if self.reward_model is not None:
+            m["reward/reward_model"] = float(learned.mean())
+        return m
+
+    def score_with_reward_model(self, samples: list) -> torch.Tensor:
+        """The learned reward model's score for each (prompt, response), on the training devices
+        (weighted by reward.reward_model.weight); zeros when there is none."""
+        if self.reward_model is None:
+            return torch.zeros(len(samples))
+        batch = collate(samples, self.tokenizer.pad_token_id)
+        return self.reward_model.forward_outputs(batch).scores * self.cfg.reward.reward_model.weight
