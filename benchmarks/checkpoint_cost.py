@@ -37,7 +37,6 @@ def worker(args: argparse.Namespace) -> None:
     from hybrid_rl.engine.fsdp import build_policy_engine
     from hybrid_rl.models.tiny import tiny_model_path
     from hybrid_rl.trainer import checkpoint as ckpt
-    from hybrid_rl.trainer.rl import AppState
 
     ctx = init_distributed("cpu")
     path = str(tiny_model_path(args.preset)) if ctx.rank == 0 else None
@@ -53,11 +52,11 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.repeats):
         barrier()
         t = time.perf_counter()
-        final = ckpt.save_checkpoint(root, i + 1, {"app": AppState(actor)}, {"step": i + 1}, 2, ctx.rank, ctx.world_size)
+        final = ckpt.save_checkpoint(root, i + 1, {"app": ckpt.AppState(actor)}, {"step": i + 1}, 2, ctx.rank, ctx.world_size)
         saves.append(time.perf_counter() - t)
         barrier()
         t = time.perf_counter()
-        ckpt.load_checkpoint(final, {"app": AppState(actor)}, ctx.rank)
+        ckpt.load_checkpoint(final, {"app": ckpt.AppState(actor)}, ctx.rank)
         loads.append(time.perf_counter() - t)
     if ctx.rank == 0:
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())

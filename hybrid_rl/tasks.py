@@ -15,7 +15,7 @@ from hybrid_rl.dist import DistContext, barrier, broadcast_object
 from hybrid_rl.env import cache_root
 from hybrid_rl.errors import ModelPathError
 from hybrid_rl.models.tiny import tiny_model_path
-from hybrid_rl.trainer.build import check_model_dir, compose_recipe, recipe_cache_key
+from hybrid_rl.trainer.build import build_rl_parts, check_model_dir, compose_recipe, recipe_cache_key
 from hybrid_rl.trainer.preference import run_dpo, run_rm
 from hybrid_rl.trainer.sft import run_sft
 
@@ -62,7 +62,7 @@ def run_rl(cfg: Any, ctx: DistContext) -> dict[str, float]:
 
     rm = cfg.reward.reward_model.path
     rm_path = resolve_builtin(rm, cfg, ctx) if rm and rm.startswith("builtin:") else rm
-    trainer = RLTrainer(cfg, ctx, resolve_model_path(cfg, ctx), rm_path)
+    trainer = RLTrainer(cfg, ctx, build_rl_parts(cfg, ctx, resolve_model_path(cfg, ctx), rm_path))
     try:
         return trainer.fit()
     finally:

@@ -437,3 +437,26 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
         name_prefix="body.",
     )
+
+
+def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int, trainable: bool) -> FSDPEngine:
+    """An HF sequence-classification model with one label, FSDP2-sharded; a fresh score head when
+    ``path`` is a causal LM (the SFT model)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hybrid_rl.engine.heads import RewardModule
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=MASTER_DTYPE, attn_implementation="sdpa", trust_remote_code=cfg.model.trust_remote_code
+    )
+    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    a = cfg.actor
+    return FSDPEngine(
+        RewardModule(model),
+        ctx,
+        OptimConfig.from_actor(a, total_steps) if trainable else None,
+        micro_batch_size=a.micro_batch_size,
+        param_dtype=to_dtype(a.param_dtype),
+        reduce_dtype=to_dtype(a.reduce_dtype),
+        name_prefix="rm.",
+    )

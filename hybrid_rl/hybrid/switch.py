@@ -93,6 +93,7 @@ class HybridSwitch:
         bucket_bytes: int,
         sleep_level: int = 1,
         device: torch.device | None = None,
+        offload_optimizer: bool = True,
     ) -> None:
         self.trainer = trainer
         self.rollout = rollout
@@ -100,6 +101,7 @@ class HybridSwitch:
         self.bucket_bytes = bucket_bytes
         self.sleep_level = sleep_level
         self.device = device
+        self.offload_optimizer_state = offload_optimizer  # actor.offload_optimizer
         # Two versions: the trainer's weights (bumped by policy_updated after each update) and
         # the weights the engine really holds (set only after a completed load). Rollouts are
         # stamped with the engine's; check_version compares it with the trainer's.
@@ -121,7 +123,9 @@ class HybridSwitch:
         timer = PhaseTimer("switch", self.device)
         notes = []
         with timer.phase("offload_optimizer"):
-            if self.trainer.offload_optimizer() == 0:
+            if not self.offload_optimizer_state:
+                notes.append("optimizer state stays in device memory (actor.offload_optimizer=false)")
+            elif self.trainer.offload_optimizer() == 0:
                 notes.append("optimizer state stays in place (host memory already)")
         sleeping = self.rollout.supports_sleep and self.mode == "train"
         with timer.phase("wake_weights"):
@@ -153,7 +157,8 @@ class HybridSwitch:
             kv = self.rollout.memory_report().get("kv_cache_bytes", 0)
             notes.append(f"engine has no sleep mode here: KV cache ({kv / 2**20:.0f} MiB) and vLLM's weights stay resident")
         with timer.phase("reload_optimizer"):
-            self.trainer.reload_optimizer()
+            if self.offload_optimizer_state:
+                self.trainer.reload_optimizer()
         self.mode = "train"
         return self._report("to_train", timer, freed=freed, notes=notes)
 

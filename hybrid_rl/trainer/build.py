@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,68 @@ def max_model_len(cfg: Any, model_path: str) -> int:
     ag = cfg.rollout.agent
     extra = ag.max_response_tokens - cfg.rollout.max_response_length if ag.enable else 0
     return check_lengths(cfg, model_path, extra)
+
+
+@dataclass
+class RLParts:
+    """Everything an RL run is made of, assembled from the config by :func:`build_rl_parts`."""
+
+    tokenizer: Any
+    tools: list
+    train_records: list
+    val_records: list
+    sampler: Any  # data.dataset.PromptSampler
+    actor: Any  # engine.fsdp.FSDPEngine (trainable policy)
+    ref: Any | None  # frozen reference policy, when a KL term needs it
+    critic: Any | None  # value model (critic.enable)
+    rollout_engine: Any  # rollout.base.RolloutEngine
+    switch: Any  # hybrid.switch.HybridSwitch
+    reward_pool: Any  # rewards.pool.RewardPool
+    val_pool: Any  # the verifier's pool for held-out accuracy
+    reward_model: Any | None  # learned reward model (reward.reward_model.path)
+
+
+def optimizer_steps(cfg: Any) -> int:
+    """Optimizer steps of the whole run (the LR schedule's length)."""
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    return cfg.trainer.total_steps * cfg.actor.epochs * max(1, samples // (cfg.actor.mini_batch_size or samples))
+
+
+def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_path: str | None = None) -> RLParts:
+    """Tokenizer, prompts, the FSDP2 engines (actor, reference, critic, reward model), the
+    rollout engine, the switch between them and the reward pools, for ``model_path``."""
+    import random
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
+    from hybrid_rl.engine.fsdp import build_policy_engine, build_reward_engine, build_value_engine, to_dtype
+    from hybrid_rl.hybrid.switch import HybridSwitch
+    from hybrid_rl.rewards.pool import RewardPool
+
+    torch.manual_seed(cfg.trainer.seed + ctx.rank)
+    random.seed(cfg.trainer.seed + ctx.rank)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    check_chat_template(tok, model_path)
+    tools, schemas = build_tools(cfg)
+    d, a, steps = cfg.data, cfg.algorithm, optimizer_steps(cfg)
+    train, _ = load_prompts(resolve_files(d.train_files, "train", d.synth), tok, d, tools=schemas)
+    val, _ = load_prompts(resolve_files(d.val_files, "val", d.synth), tok, d, d.val_size, tools=schemas)
+    actor = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
+    needs_ref = a.use_kl_loss or a.use_kl_in_reward
+    ref = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False) if needs_ref else None
+    critic = build_value_engine(model_path, cfg.model, cfg.critic, cfg.actor, ctx, steps) if cfg.critic.enable else None
+    engine = build_rollout_engine(model_path, cfg, ctx, max_model_len(cfg, model_path), cfg.trainer.seed)
+    r = cfg.rollout
+    switch = HybridSwitch(
+        actor, engine, sync_dtype=to_dtype(r.dtype), bucket_bytes=r.sync_bucket_mb << 20, sleep_level=r.sleep_level,
+        device=ctx.device, offload_optimizer=cfg.actor.offload_optimizer,
+    )  # fmt: skip
+    pool = RewardPool(cfg.reward)
+    # Held-out accuracy is always the verifier's, whatever the training reward is.
+    verifier = {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}}
+    val_pool = pool if any(f.name == "math" for f in cfg.reward.functions) else RewardPool(OmegaConf.merge(cfg.reward, verifier))
+    rm = build_reward_engine(reward_model_path, cfg, ctx, 1, trainable=False) if reward_model_path else None
+    sampler = PromptSampler(len(train), d.train_batch_size, d.seed, d.shuffle)
+    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rm)

@@ -120,3 +120,49 @@ def load_checkpoint(path: str | Path, app_state: dict[str, Any], rank: int) -> d
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+class AppState:
+    """DCP ``Stateful`` for an engine's model and optimizer (sharded save, resharding load)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = self.engine.state_dicts()
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dicts(state["model"], state["optim"])
+
+
+def rl_run_state(step: int, parts: Any, kl_coef: float) -> dict[str, Any]:
+    """What an RL run needs besides the weights to continue exactly: the step, the data position,
+    the weights version, the KL coefficient, reward-failure count, RNG and engine counters."""
+    import random
+
+    return {
+        "step": step,
+        "sampler": parts.sampler.state_dict(),
+        "weights_version": parts.switch.weights_version,
+        "kl_coef": kl_coef,
+        "reward_failed_steps": parts.reward_pool.failed_steps,
+        "rng_torch": torch.get_rng_state(),
+        "rng_python": random.getstate(),
+        "actor_engine": parts.actor.extra_state(),
+        "critic_engine": parts.critic.extra_state() if parts.critic is not None else None,
+    }
+
+
+def restore_rl_run_state(state: dict[str, Any], parts: Any) -> None:
+    """The inverse of :func:`rl_run_state` (the caller restores step and KL coefficient)."""
+    import random
+
+    parts.sampler.load_state_dict(state["sampler"])
+    parts.reward_pool.failed_steps = int(state["reward_failed_steps"])
+    torch.set_rng_state(state["rng_torch"])
+    random.setstate(state["rng_python"])
+    parts.actor.load_extra_state(state["actor_engine"])
+    if parts.critic is not None and state.get("critic_engine") is not None:
+        parts.critic.load_extra_state(state["critic_engine"])
+    parts.switch.weights_version = int(state["weights_version"])

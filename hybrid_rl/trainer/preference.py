@@ -27,7 +27,7 @@ from hybrid_rl.data.preference import (
     synthetic_preference_dir,
 )
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, barrier
-from hybrid_rl.engine.fsdp import MASTER_DTYPE, FSDPEngine, OptimConfig, build_policy_engine, to_dtype
+from hybrid_rl.engine.fsdp import FSDPEngine, build_policy_engine, build_reward_engine
 from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len
 from hybrid_rl.trainer.logger import MetricsLogger
 
@@ -191,29 +191,6 @@ def run_dpo(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ reward model
-def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int, trainable: bool) -> FSDPEngine:
-    """An HF sequence-classification model with one label, FSDP2-sharded; a fresh score head when
-    ``path`` is a causal LM (the SFT model)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from hybrid_rl.engine.heads import RewardModule
-
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=MASTER_DTYPE, attn_implementation="sdpa", trust_remote_code=cfg.model.trust_remote_code
-    )
-    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    a = cfg.actor
-    return FSDPEngine(
-        RewardModule(model),
-        ctx,
-        OptimConfig.from_actor(a, total_steps) if trainable else None,
-        micro_batch_size=a.micro_batch_size,
-        param_dtype=to_dtype(a.param_dtype),
-        reduce_dtype=to_dtype(a.reduce_dtype),
-        name_prefix="rm.",
-    )
-
-
 def make_rm_loss(kind: str, group: int, n_groups: float, margin: float):
     def loss_fn(out: ModelOutputs, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
         s = out.scores

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, make_criti
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, TrainBatch, collate
 from hybrid_rl.config import validate
-from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
 from hybrid_rl.dist import (
     DistContext,
     all_reduce_max,
@@ -36,19 +34,14 @@ from hybrid_rl.dist import (
     gather_rows,
     mean_over_ranks,
 )
-from hybrid_rl.engine.fsdp import build_policy_engine, build_value_engine, to_dtype
 from hybrid_rl.engine.heads import Sampling
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import fault_active, maybe_fail
-from hybrid_rl.hybrid.switch import HybridSwitch, SwitchReport
-from hybrid_rl.rewards.pool import RewardPool
+from hybrid_rl.hybrid.switch import SwitchReport
 from hybrid_rl.timing import PhaseTimer, process_stats
 from hybrid_rl.trainer import checkpoint as ckpt
 from hybrid_rl.trainer.build import (
-    build_rollout_engine,
-    build_tools,
-    load_tokenizer,
-    max_model_len,
+    RLParts,
 )
 from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.logger import MetricsLogger
@@ -57,76 +50,23 @@ from hybrid_rl.trainer.validation import evaluate
 log = logging.getLogger("hybrid_rl")
 
 
-class AppState:
-    """DCP ``Stateful`` for the actor's model and optimizer (sharded save, resharding load)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    def state_dict(self) -> dict:
-        model_sd, optim_sd = self.engine.state_dicts()
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.engine.load_state_dicts(state["model"], state["optim"])
-
-
 class RLTrainer:
-    def __init__(self, cfg: Any, ctx: DistContext, model_path: str, reward_model_path: str | None = None) -> None:
-        validate(cfg, ctx.world_size)
-        self.cfg, self.ctx = cfg, ctx
-        self.out_dir = Path(cfg.trainer.output_dir)
-        torch.manual_seed(cfg.trainer.seed + ctx.rank)
-        random.seed(cfg.trainer.seed + ctx.rank)
-        self.model_path = model_path
-        self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
-        check_chat_template(self.tokenizer, self.model_path)
-        max_len = max_model_len(cfg, self.model_path)
-        self.tools, schemas = build_tools(cfg)
-        d = cfg.data
-        self.train_records, self.train_report = load_prompts(
-            resolve_files(d.train_files, "train", d.synth), self.tokenizer, d, tools=schemas
-        )
-        self.val_records, self.val_report = load_prompts(
-            resolve_files(d.val_files, "val", d.synth), self.tokenizer, d, d.val_size, tools=schemas
-        )
-        self.sampler = PromptSampler(len(self.train_records), d.train_batch_size, d.seed, d.shuffle)
-        self.actor = build_policy_engine(self.model_path, cfg.model, cfg.actor, ctx, self._optimizer_steps(), trainable=True)
-        a = cfg.algorithm
-        self.ref = None
-        if a.use_kl_loss or a.use_kl_in_reward:
-            self.ref = build_policy_engine(self.model_path, cfg.model, cfg.actor, ctx, 1, trainable=False)
-        self.critic = None
-        if cfg.critic.enable:
-            self.critic = build_value_engine(self.model_path, cfg.model, cfg.critic, cfg.actor, ctx, self._optimizer_steps())
-            self.critic_loss_fn = make_critic_loss(cfg.critic)
-        self.rollout_engine = build_rollout_engine(self.model_path, cfg, ctx, max_len, cfg.trainer.seed)
-        self.switch = HybridSwitch(
-            self.actor,
-            self.rollout_engine,
-            sync_dtype=to_dtype(cfg.rollout.dtype),
-            bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
-            sleep_level=cfg.rollout.sleep_level,
-            device=ctx.device,
-        )
-        self.reward_pool = RewardPool(cfg.reward)
-        # Held-out accuracy is always the verifier's, whatever the training reward is.
-        self.val_pool = (
-            self.reward_pool
-            if any(f.name == "math" for f in cfg.reward.functions)
-            else RewardPool(
-                OmegaConf.merge(cfg.reward, {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}})
-            )
-        )
-        self.reward_model = None
-        if reward_model_path:
-            from hybrid_rl.trainer.preference import build_reward_engine
+    """The RL loop over assembled parts (:func:`hybrid_rl.trainer.build.build_rl_parts`)."""
 
-            self.reward_model = build_reward_engine(reward_model_path, cfg, ctx, 1, trainable=False)
+    def __init__(self, cfg: Any, ctx: DistContext, parts: RLParts) -> None:
+        validate(cfg, ctx.world_size)
+        self.cfg, self.ctx, self.parts = cfg, ctx, parts
+        self.out_dir = Path(cfg.trainer.output_dir)
+        # Composition: the trainer reads its parts by name.
+        self.tokenizer, self.actor, self.ref, self.critic = parts.tokenizer, parts.actor, parts.ref, parts.critic
+        self.switch, self.reward_pool, self.val_pool = parts.switch, parts.reward_pool, parts.val_pool
+        self.val_records = parts.val_records
         self.collector = RolloutCollector(
-            cfg, ctx, self.rollout_engine, self.switch, self.tokenizer, self.tools, self.train_records, self.sampler,
-            self.reward_pool, self.reward_model,
+            cfg, ctx, parts.rollout_engine, parts.switch, parts.tokenizer, parts.tools, parts.train_records, parts.sampler,
+            parts.reward_pool, parts.reward_model,
         )  # fmt: skip
+        a = cfg.algorithm
+        self.critic_loss_fn = make_critic_loss(cfg.critic) if parts.critic is not None else None
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
@@ -178,19 +118,7 @@ class RLTrainer:
             rollout = self.collector.collect(self.step_idx, timer, m)
             with timer.phase("switch_to_train"):
                 m.update(self.switch_metrics(self.switch.to_train()))
-            if rollout.samples:
-                batch = self.make_batch(rollout)
-                with timer.phase("logprobs"):
-                    m.update(self.compute_logprobs(batch))
-                with timer.phase("advantage"):
-                    m.update(self.compute_advantages(batch))
-                with timer.phase("update"):
-                    maybe_fail("update", self.step_idx + 1, self.ctx.rank)
-                    m.update(self.update_policy(batch))
-                    self.switch.policy_updated()
-                m.update(self.throughput(rollout, batch, timer))
-            else:  # dynamic sampling kept nothing: every group's answers scored the same
-                m["dapo/skipped_updates"] = 1.0
+            m.update(self.train_on_batch(rollout, timer))
             self.check_numerics()
             maybe_fail("switch", self.step_idx + 1, self.ctx.rank)
             with timer.phase("switch_to_rollout"):
@@ -202,6 +130,25 @@ class RLTrainer:
         m["weights_version"] = float(self.switch.weights_version)
         m.update(process_stats())
         return self.reduce_metrics(m)
+
+    def train_on_batch(self, rollout: Rollout, timer: PhaseTimer | None = None) -> dict[str, float]:
+        """Log-probs, advantages and the policy (and critic) update on one scored rollout, with
+        the engines in training mode; bumps the trainer's weights version."""
+        timer = timer or PhaseTimer("timing", self.ctx.device)
+        if not rollout.samples:  # dynamic sampling kept nothing: every group's answers scored the same
+            return {"dapo/skipped_updates": 1.0}
+        m: dict[str, float] = {}
+        batch = self.make_batch(rollout)
+        with timer.phase("logprobs"):
+            m.update(self.compute_logprobs(batch))
+        with timer.phase("advantage"):
+            m.update(self.compute_advantages(batch))
+        with timer.phase("update"):
+            maybe_fail("update", self.step_idx + 1, self.ctx.rank)
+            m.update(self.update_policy(batch))
+            self.switch.policy_updated()
+        m.update(self.throughput(rollout, batch, timer))
+        return m
 
     # ================================================================ phases
     @property
@@ -370,24 +317,11 @@ class RLTrainer:
         return out
 
     # ================================================================ checkpoints
-    def app_states(self) -> dict[str, AppState]:
-        states = {"app": AppState(self.actor)}
+    def app_states(self) -> dict[str, ckpt.AppState]:
+        states = {"app": ckpt.AppState(self.actor)}
         if self.critic is not None:
-            states["critic"] = AppState(self.critic)
+            states["critic"] = ckpt.AppState(self.critic)
         return states
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step_idx,
-            "sampler": self.sampler.state_dict(),
-            "weights_version": self.switch.weights_version,
-            "kl_coef": self.kl_ctrl.value,
-            "reward_failed_steps": self.reward_pool.failed_steps,
-            "rng_torch": torch.get_rng_state(),
-            "rng_python": random.getstate(),
-            "actor_engine": self.actor.extra_state(),
-            "critic_engine": self.critic.extra_state() if self.critic is not None else None,
-        }
 
     def save(self) -> Path:
         if not self.actor.params_finite():
@@ -397,7 +331,7 @@ class RLTrainer:
             self.out_dir / "checkpoints",
             self.step_idx,
             self.app_states(),
-            self.trainer_state(),
+            ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value),
             self.cfg.trainer.keep_last,
             self.ctx.rank,
             self.ctx.world_size,
@@ -416,17 +350,9 @@ class RLTrainer:
             return
         state = ckpt.load_checkpoint(path, self.app_states(), self.ctx.rank)
         self.step_idx = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.value = float(state["kl_coef"])
-        self.reward_pool.failed_steps = int(state["reward_failed_steps"])
-        torch.set_rng_state(state["rng_torch"])
-        random.setstate(state["rng_python"])
-        self.actor.load_extra_state(state["actor_engine"])
-        if self.critic is not None and state.get("critic_engine") is not None:
-            self.critic.load_extra_state(state["critic_engine"])
-        # The engine was built from the initial weights: push the resumed ones.
-        self.switch.weights_version = int(state["weights_version"])
-        self.switch.to_rollout()
+        ckpt.restore_rl_run_state(state, self.parts)
+        self.switch.to_rollout()  # the engine was built from the initial weights: push the resumed ones
         dropped = self.logger.truncate_after(self.step_idx)
         barrier()
         if self.ctx.is_main:
@@ -469,14 +395,9 @@ class RLTrainer:
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
 
-    def _optimizer_steps(self) -> int:
-        c = self.cfg
-        samples = c.data.train_batch_size * c.rollout.n
-        return c.trainer.total_steps * c.actor.epochs * max(1, samples // (c.actor.mini_batch_size or samples))
-
     def close(self) -> None:
         self.reward_pool.close()
         if self.val_pool is not self.reward_pool:
             self.val_pool.close()
         barrier()
-        self.rollout_engine.shutdown()
+        self.parts.rollout_engine.shutdown()
