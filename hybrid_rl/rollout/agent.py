@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_rl.batch import Rollout, Sample
-from hybrid_rl.data.chat import encode_tool_turn
+from hybrid_rl.rollout.chat import encode_tool_turn
 from hybrid_rl.rollout.base import Completion, RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.tools import Tool, ToolCall, ToolResult
 

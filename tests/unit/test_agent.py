@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import pytest
 
-from hybrid_rl.data.chat import assemble_trajectory, encode_data, encode_tool_turn, turn_delta_text
 from hybrid_rl.data.dataset import PromptRecord
 from hybrid_rl.rollout.agent import AgentLoop, AgentSettings
 from hybrid_rl.rollout.base import Completion, SamplingSpec
+from hybrid_rl.rollout.chat import assemble_trajectory, encode_data, encode_tool_turn, turn_delta_text
 from hybrid_rl.rollout.tools import CalculatorTool, ToolCall, ToolResult, parse_hermes, safe_eval
 
 pytestmark = pytest.mark.unit
