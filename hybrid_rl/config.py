@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from hybrid_rl.errors import ConfigError
+from hybrid_rl.rollout.agent import AgentSettings
 
 
 @dataclass
@@ -73,21 +74,15 @@ class DataConfig:
 
 
 @dataclass
-class AgentConfig:
-    # Multi-turn tool use: the model calls tools (hybrid_rl/rollout/agent.py).
+class AgentConfig(AgentSettings):
+    # Multi-turn tool use: the model calls tools (hybrid_rl/rollout/agent.py). The episode fields
+    # (max_turns, max_response_tokens, tool_response_max_tokens, tool_response_keep, scheduling)
+    # and their defaults come from rollout.agent.AgentSettings.
     enable: bool = False
     # YAML file listing the tools (class_name + config), like verl's tool config.
     tool_config: str = "conf/tools/python.yaml"
     # Tool-call format parser: hermes (Qwen's <tool_call>{json}</tool_call>).
     parser: str = "hermes"
-    # Model turns per episode, and the token budget of the whole response (model + tool tokens).
-    max_turns: int = 3
-    max_response_tokens: int = 128
-    # Tool responses longer than this (tokens) are truncated, keeping the head or the tail.
-    tool_response_max_tokens: int = 32
-    tool_response_keep: str = "head"
-    # continuous (a slow tool delays only its own trajectory) | lockstep
-    scheduling: str = "continuous"
 
 
 @dataclass

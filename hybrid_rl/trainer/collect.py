@@ -24,7 +24,7 @@ from hybrid_rl.dist import DistContext, all_gather_objects, raise_if_any_failed
 from hybrid_rl.faults import maybe_fail
 from hybrid_rl.hybrid.switch import HybridSwitch
 from hybrid_rl.rewards.pool import RewardPool
-from hybrid_rl.rollout.agent import AgentLoop, AgentSettings
+from hybrid_rl.rollout.agent import AgentLoop
 from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.sampler import sample_groups
 from hybrid_rl.rollout.tools import get_parser
@@ -115,15 +115,8 @@ class RolloutCollector:
         return rollout
 
     def agent_loop(self) -> AgentLoop:
-        ag = self.cfg.rollout.agent
-        settings = AgentSettings(
-            max_turns=ag.max_turns,
-            max_response_tokens=ag.max_response_tokens,
-            tool_response_max_tokens=ag.tool_response_max_tokens,
-            tool_response_keep=ag.tool_response_keep,
-            scheduling=ag.scheduling,
-        )
-        return AgentLoop(self.engine, self.tools, self.tokenizer, settings, get_parser(ag.parser))
+        ag = self.cfg.rollout.agent  # an AgentConfig: AgentSettings plus enable / tool_config / parser
+        return AgentLoop(self.engine, self.tools, self.tokenizer, ag, get_parser(ag.parser))
 
     def val_sampler(self):
         """Validation episodes: one generate call, or full multi-turn episodes with the agent loop."""
