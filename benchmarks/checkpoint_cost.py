@@ -34,7 +34,7 @@ def worker(args: argparse.Namespace) -> None:
     from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss
     from hybrid_rl.batch import Sample, collate
     from hybrid_rl.dist import barrier, init_distributed
-    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.builders import build_policy_engine
     from hybrid_rl.models.tiny import tiny_model_path
     from hybrid_rl.trainer import checkpoint as ckpt
 

@@ -99,7 +99,8 @@ def hybrid(args) -> None:
 
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
     from hybrid_rl.dist import barrier, init_distributed
-    from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype
+    from hybrid_rl.engine.builders import build_policy_engine
+    from hybrid_rl.engine.fsdp import to_dtype
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.models.tiny import tiny_model_path
     from hybrid_rl.rollout.base import SamplingSpec
@@ -181,7 +182,8 @@ def split_trainer(args) -> None:
     import torch.distributed as dist
 
     from hybrid_rl.dist import init_distributed
-    from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype
+    from hybrid_rl.engine.builders import build_policy_engine
+    from hybrid_rl.engine.fsdp import to_dtype
     from hybrid_rl.models.tiny import tiny_model_path
 
     ctl_port, pg_port = free_port(), free_port()

@@ -47,7 +47,7 @@ def memcpy_floor(nbytes: int, repeats: int) -> dict:
 
 def hybrid(args) -> dict:
     from hybrid_rl.dist import barrier, init_distributed
-    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.builders import build_policy_engine
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rollout.vllm_engine import VLLMRollout
     from hybrid_rl.timing import memory_reading

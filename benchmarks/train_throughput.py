@@ -39,7 +39,7 @@ def main() -> None:
     setup_process_env(threads_per_rank=os.cpu_count() or 1)
     from hybrid_rl.batch import Sample, collate
     from hybrid_rl.dist import init_distributed
-    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.builders import build_policy_engine
     from hybrid_rl.models.tiny import tiny_model_path
 
     ctx = init_distributed("cpu")

@@ -10,11 +10,11 @@ express (a group of 1 with std normalisation, a batch that does not divide over 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from hybrid_rl.config_checks import LOSS_AGG_MODES, validate
 from hybrid_rl.errors import ConfigError
 from hybrid_rl.rollout.agent import AgentSettings
 
@@ -93,6 +93,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Rollout backend by name (hybrid_rl/rollout/backends.py): vllm.
+    backend: str = "vllm"
     # The rollout engine's weights/compute dtype (float32 | bfloat16); weights are cast to it
     # on every sync. Independent of the trainer's fp32 master weights.
     dtype: str = "float32"
@@ -343,113 +345,10 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
 
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def validate(cfg: Any, world_size: int = 1) -> None:
-    """Cross-field checks; raises :class:`ConfigError` naming the fields."""
-    from hybrid_rl.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES
-
-    a, r, d, t, act = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer, cfg.actor
-    problems: list[str] = []
-    if t.task not in ("rl", "sft", "dpo", "rm"):
-        problems.append(f"trainer.task={t.task!r} must be rl, sft, dpo or rm")
-    pr = cfg.preference
-    if pr.rm_loss not in ("pairwise", "margin", "listwise"):
-        problems.append(f"preference.rm_loss={pr.rm_loss!r} must be pairwise, margin or listwise")
-    if t.task in ("dpo", "rm") and act.max_tokens_per_micro:
-        problems.append("actor.max_tokens_per_micro must be 0 for dpo/rm (micro-batches keep pairs and lists together)")
-    if a.loss_agg_mode not in LOSS_AGG_MODES:
-        problems.append(f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
-    if cfg.critic.loss_agg_mode not in LOSS_AGG_MODES:
-        problems.append(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}")
-    if act.recompute_old_logprobs not in ("auto", "always"):
-        problems.append(f"actor.recompute_old_logprobs={act.recompute_old_logprobs!r} must be auto or always")
-    if t.task == "rl":
-        if a.adv_estimator not in ADV_ESTIMATORS:
-            problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} is unknown; known: {', '.join(sorted(ADV_ESTIMATORS))}")
-        if a.policy_loss not in POLICY_LOSSES:
-            problems.append(f"algorithm.policy_loss={a.policy_loss!r} is unknown; known: {', '.join(sorted(POLICY_LOSSES))}")
-        needs = ADV_ESTIMATORS.needs.get(a.adv_estimator, frozenset())
-        if "group" in needs and r.n < 2:
-            problems.append(
-                f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
-                " (with one sample per prompt every advantage is 0)"
-            )
-        if r.temperature <= 0:
-            problems.append(
-                f"rollout.temperature={r.temperature} must be > 0 for training rollouts (greedy samples have no "
-                "sampling log-probs; greedy validation is always run)"
-            )
-        if not 0 < r.top_p <= 1 or r.top_k == 0 or r.top_k < -1:
-            problems.append(f"rollout.top_p={r.top_p} must be in (0, 1] and rollout.top_k={r.top_k} -1 (off) or >= 1")
-        tp = r.tensor_parallel_size
-        if tp < 1 or world_size % tp:
-            problems.append(f"rollout.tensor_parallel_size={tp} must divide the {world_size} ranks")
-        elif d.train_batch_size % (world_size // tp):
-            problems.append(
-                f"data.train_batch_size={d.train_batch_size} does not divide over {world_size // tp} "
-                f"data-parallel rollout groups ({world_size} ranks / rollout.tensor_parallel_size={tp})"
-            )
-        elif (d.train_batch_size // (world_size // tp) * r.n) % tp:
-            problems.append(f"the samples of a rollout group do not split over rollout.tensor_parallel_size={tp} ranks")
-        samples = d.train_batch_size * r.n
-        mini = act.mini_batch_size or samples
-        if samples % mini:
-            problems.append(
-                f"actor.mini_batch_size={mini} does not divide the {samples} samples per step "
-                f"(data.train_batch_size={d.train_batch_size} x rollout.n={r.n})"
-            )
-        elif mini % world_size:
-            problems.append(f"actor.mini_batch_size={mini} does not divide over {world_size} ranks")
-        if r.max_response_length < 1:
-            problems.append(f"rollout.max_response_length={r.max_response_length} must be >= 1")
-        if not 0 < a.clip_ratio_low < 1 or a.clip_ratio_high <= 0:
-            problems.append("algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0")
-        if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
-            problems.append(f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)")
-        if "critic" in needs and not cfg.critic.enable:
-            problems.append(f"algorithm.adv_estimator={a.adv_estimator} needs a critic: set critic.enable=true")
-        if "greedy_baseline" in needs and not a.greedy_baseline:
-            problems.append(f"algorithm.adv_estimator={a.adv_estimator} needs algorithm.greedy_baseline=true")
-        if a.adv_estimator == "gfpo" and not 2 <= a.gfpo_keep <= r.n:
-            problems.append(f"algorithm.gfpo_keep={a.gfpo_keep} must be in [2, rollout.n={r.n}]")
-        if a.gfpo_metric not in ("length", "reward_per_token"):
-            problems.append(f"algorithm.gfpo_metric={a.gfpo_metric!r} must be length or reward_per_token")
-        if a.overlong_buffer < 0 or a.overlong_buffer >= r.max_response_length:
-            problems.append(f"algorithm.overlong_buffer={a.overlong_buffer} must be in [0, rollout.max_response_length)")
-        if a.tis_mode not in ("none", "token", "sequence"):
-            problems.append(f"algorithm.tis_mode={a.tis_mode!r} must be none, token or sequence")
-    ag = cfg.rollout.agent
-    if ag.enable:
-        if ag.scheduling not in ("continuous", "lockstep"):
-            problems.append(f"rollout.agent.scheduling={ag.scheduling!r} must be continuous or lockstep")
-        if ag.tool_response_keep not in ("head", "tail"):
-            problems.append(f"rollout.agent.tool_response_keep={ag.tool_response_keep!r} must be head or tail")
-        if ag.max_turns < 1 or ag.max_response_tokens < r.max_response_length:
-            problems.append(
-                "rollout.agent.max_turns must be >= 1 and rollout.agent.max_response_tokens >= rollout.max_response_length"
-            )
-    if cfg.model.dtype is not None:
-        problems.append(
-            f"model.dtype={cfg.model.dtype} was removed: master weights and optimizer state are always fp32; "
-            "set the training compute dtype with actor.param_dtype and the rollout engine's with rollout.dtype"
-        )
-    if r.dtype not in ("float32", "bfloat16", "float16"):
-        problems.append(f"rollout.dtype={r.dtype!r} must be float32, bfloat16 or float16")
-    for name in ("param_dtype", "reduce_dtype"):
-        value = getattr(act, name)
-        if value is not None and value not in ("float32", "bfloat16", "float16"):
-            problems.append(f"actor.{name}={value!r} must be float32, bfloat16 or float16 (or null)")
-    if d.truncation not in ("skip", "left", "right", "error"):
-        problems.append(f"data.truncation={d.truncation!r} must be skip, left, right or error")
-    if d.max_prompt_length < 1:
-        problems.append(f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
-    if act.micro_batch_size < 1:
-        problems.append(f"actor.micro_batch_size={act.micro_batch_size} must be >= 1")
-    if act.lr_schedule not in ("constant", "cosine"):
-        problems.append(f"actor.lr_schedule={act.lr_schedule!r} must be constant or cosine")
-    if t.device not in ("auto", "cpu", "cuda"):
-        problems.append(f"trainer.device={t.device!r} must be auto, cpu or cuda")
-    if problems:
-        raise ConfigError("invalid config: " + "; ".join(problems))
+# The cross-field checks live in config_checks.py; they and the error they raise are part of
+# this module's interface (``from hybrid_rl.config import ConfigError, validate``).
+__all__ = [
+    "LOSS_AGG_MODES", "ActorConfig", "AgentConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+    "LoggerConfig", "ModelConfig", "PreferenceConfig", "RewardConfig", "RewardFnConfig", "RewardModelConfig", "RolloutConfig",
+    "SynthMathConfig", "TrainerConfig", "register_configs", "validate",
+]  # fmt: skip

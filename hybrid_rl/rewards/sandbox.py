@@ -35,7 +35,6 @@ explicitly, and says so loudly on every call (trusted code only).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_rl.errors import SandboxUnavailable  # re-exported
+from hybrid_rl.rewards.seccomp import seccomp_filter
 
 log = logging.getLogger("hybrid_rl")
 
@@ -106,48 +106,6 @@ def _v2_cgroup_dir() -> Path | None:
     except (OSError, StopIteration):
         return None
     return d if {"memory", "pids"} <= enabled and os.access(d, os.W_OK) else None
-
-
-# Syscalls a test program never needs, refused with EPERM (deny-list: an allow-list breaks on
-# every new libc). Keyring: a channel between calls and a per-uid quota; io_uring and
-# userfaultfd: kernel attack surface; ptrace/process_vm_*: other processes' memory; the rest:
-# mounts, namespaces, modules, kexec, perf, bpf and system-wide state.
-DENIED_SYSCALLS = (
-    "add_key", "keyctl", "request_key",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "userfaultfd", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    "perf_event_open", "bpf", "fanotify_init", "open_by_handle_at", "name_to_handle_at",
-    "mount", "umount2", "pivot_root", "chroot", "setns", "unshare", "move_mount", "open_tree", "fsopen", "fsmount",
-    "fsconfig", "fspick", "mount_setattr",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog", "settimeofday", "clock_settime", "adjtimex",
-    "sethostname", "setdomainname", "lookup_dcookie", "vhangup", "personality",
-)  # fmt: skip
-ALLOWED_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
-
-
-@functools.cache
-def seccomp_filter() -> bytes:
-    """The seccomp BPF program (native arch; other ABIs are killed by libseccomp's default)."""
-    import errno
-
-    import pyseccomp as sc
-
-    f = sc.SyscallFilter(defaction=sc.ALLOW)
-    for name in DENIED_SYSCALLS:
-        try:
-            f.add_rule(sc.ERRNO(errno.EPERM), name)
-        except (RuntimeError, ValueError, OSError):  # not a syscall on this arch / kernel headers
-            continue
-    for call in ("socket", "socketpair"):
-        for family in range(64):
-            if family not in ALLOWED_SOCKET_FAMILIES:
-                f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, family))
-        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GE, 64))
-    with tempfile.TemporaryFile() as fh:
-        f.export_bpf(fh)
-        fh.seek(0)
-        return fh.read()
 
 
 def check_available(backend: str = "bwrap") -> None:
@@ -210,81 +168,27 @@ class Sandbox:
 
     # -------------------------------------------------------------- bwrap
     def _bwrap_argv(self, prog: Path, lim: SandboxLimits, seccomp_fd: int) -> list[str]:
-        argv = [
-            "bwrap",
-            "--seccomp",
-            str(seccomp_fd),
-            "--unshare-all",
-            "--unshare-user",
-            "--die-with-parent",
-            "--new-session",
-            "--disable-userns",
-            "--clearenv",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-            "--symlink",
-            "usr/bin",
-            "/bin",
-            "--symlink",
-            "usr/lib",
-            "/lib",
-            "--symlink",
-            "usr/lib64",
-            "/lib64",
-            "--symlink",
-            "usr/sbin",
-            "/sbin",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(lim.shm_mb << 20),
-            "--tmpfs",
-            "/dev/shm",
-            "--remount-ro",
-            "/dev",
-            "--size",
-            str(lim.tmp_mb << 20),
-            "--tmpfs",
-            "/tmp",
-            "--size",
-            str(lim.scratch_mb << 20),
-            "--tmpfs",
-            "/work",
-            "--ro-bind",
-            str(prog),
-            "/work/main.py",
-            "--chdir",
-            "/work",
-            "--setenv",
-            "PATH",
-            "/usr/bin:/bin",
-            "--setenv",
-            "HOME",
-            "/work",
-            "--setenv",
-            "LANG",
-            "C.UTF-8",
-            "--setenv",
-            "PYTHONDONTWRITEBYTECODE",
-            "1",
+        """bwrap's command line: namespaces, the filesystem (every writable mount sized), the
+        environment, then prlimit's limits around ``python3 -I -S /work/main.py``."""
+        return [
+            "bwrap", "--seccomp", str(seccomp_fd),
+            "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns", "--clearenv",
+            "--ro-bind", "/usr", "/usr",
+            "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+            "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/sbin", "/sbin",
+            "--proc", "/proc",
+            "--dev", "/dev", "--size", str(lim.shm_mb << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
+            "--size", str(lim.scratch_mb << 20), "--tmpfs", "/work",
+            "--ro-bind", str(prog), "/work/main.py", "--chdir", "/work",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work", "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--",
-            "prlimit",
-            f"--cpu={lim.cpu_seconds}",
-            f"--as={lim.memory_mb << 20}",
-            f"--nproc={lim.processes}",
-            f"--fsize={lim.file_size_mb << 20}",
-            f"--nofile={lim.open_files}",
-            "--core=0",
+            "prlimit", f"--cpu={lim.cpu_seconds}", f"--as={lim.memory_mb << 20}", f"--nproc={lim.processes}",
+            f"--fsize={lim.file_size_mb << 20}", f"--nofile={lim.open_files}", "--core=0",
             "--",
-            self.python,
-            "-I",
-            "-S",
-            "/work/main.py",
-        ]
-        return argv
+            self.python, "-I", "-S", "/work/main.py",
+        ]  # fmt: skip
 
     def _make_cgroups(self, lim: SandboxLimits) -> list[Path]:
         made = []
@@ -332,40 +236,8 @@ class Sandbox:
             bpf.write_bytes(seccomp_filter())
             seccomp_fd = os.open(bpf, os.O_RDONLY)
             cgroups = self._make_cgroups(lim)
-            # The launcher (still root) joins the cgroups, then becomes the unprivileged uid and execs bwrap.
-            join = " ".join(f'echo $$ > "{d}/cgroup.procs";' for d in cgroups)
-            drop = []
-            if os.geteuid() == 0:
-                drop = [
-                    "setpriv",
-                    f"--reuid={UNPRIVILEGED_UID}",
-                    f"--regid={UNPRIVILEGED_UID}",
-                    "--clear-groups",
-                    "--no-new-privs",
-                    "--",
-                ]
-            argv = ["sh", "-c", f'{join} exec "$@"', "sandbox", *drop, *self._bwrap_argv(prog, lim, seccomp_fd)]
-            with open(in_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-                # cwd "/": bwrap's init (pid 1 in the sandbox) keeps the launcher's environment,
-                # and sh exports PWD; the trainer's working directory must not show there.
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=fin,
-                    stdout=fout,
-                    stderr=ferr,
-                    start_new_session=True,
-                    close_fds=True,
-                    pass_fds=(seccomp_fd,),
-                    cwd="/",
-                    env={"PATH": "/usr/bin:/bin"},
-                )
-                timed_out = False
-                try:
-                    rc = proc.wait(timeout=lim.wall_seconds)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    os.killpg(proc.pid, 9)
-                    rc = proc.wait()
+            argv = self._launcher_argv(cgroups, prog, lim, seccomp_fd)
+            rc, timed_out = _wait_capped(argv, in_path, out_path, err_path, seccomp_fd, lim.wall_seconds)
             stdout, t1 = _read_capped(out_path, lim.output_bytes)
             stderr, t2 = _read_capped(err_path, lim.output_bytes)
             if rc is not None and rc < 0:
@@ -383,6 +255,15 @@ class Sandbox:
             for d in cgroups:
                 _remove_cgroup(d)
             shutil.rmtree(host_dir, ignore_errors=True)
+
+    def _launcher_argv(self, cgroups: list[Path], prog: Path, lim: SandboxLimits, seccomp_fd: int) -> list[str]:
+        """The launcher (still root) joins the cgroups, then becomes the unprivileged uid and execs bwrap."""
+        join = " ".join(f'echo $$ > "{d}/cgroup.procs";' for d in cgroups)
+        drop = []
+        if os.geteuid() == 0:
+            uid = UNPRIVILEGED_UID
+            drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+        return ["sh", "-c", f'{join} exec "$@"', "sandbox", *drop, *self._bwrap_argv(prog, lim, seccomp_fd)]
 
     # -------------------------------------------------------------- opt-out
     def _run_unsandboxed(self, code: str, stdin: str, lim: SandboxLimits) -> SandboxResult:
@@ -410,6 +291,25 @@ class Sandbox:
                 )
             except subprocess.TimeoutExpired:
                 return SandboxResult("", "", None, True, time.perf_counter() - start, False, ["UNSANDBOXED"])
+
+
+def _wait_capped(
+    argv: list[str], stdin: Path, stdout: Path, stderr: Path, seccomp_fd: int, wall_s: float
+) -> tuple[int | None, bool]:
+    """Run the launcher with files for its streams; SIGKILL its whole session after ``wall_s``.
+    Returns (exit status, timed out)."""
+    with open(stdin, "rb") as fin, open(stdout, "wb") as fout, open(stderr, "wb") as ferr:
+        # cwd "/": bwrap's init (pid 1 in the sandbox) keeps the launcher's environment, and sh
+        # exports PWD; the trainer's working directory must not show there.
+        proc = subprocess.Popen(
+            argv, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True, close_fds=True,
+            pass_fds=(seccomp_fd,), cwd="/", env={"PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        try:
+            return proc.wait(timeout=wall_s), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            return proc.wait(), True
 
 
 def _read_capped(path: Path, cap: int) -> tuple[str, bool]:

@@ -76,11 +76,12 @@ def conf_dir() -> Path:
 
 
 def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_len: int, seed: int):
-    """The vLLM engine for this rank (imports vllm, which only hybrid_rl.rollout does)."""
-    from hybrid_rl.rollout.vllm_engine import VLLMRollout
+    """This rank's rollout engine, ``rollout.backend`` (vLLM by default; see rollout/backends.py)."""
+    from hybrid_rl.rollout.backends import build_backend
 
-    return VLLMRollout(
-        model_path, cfg.rollout, cfg.rollout.dtype, seed + ctx.rank, ctx.device, max_model_len, cfg.model.trust_remote_code
+    r = cfg.rollout
+    return build_backend(
+        r.backend, model_path, r, r.dtype, seed + ctx.rank, ctx.device, max_model_len, cfg.model.trust_remote_code
     )
 
 
@@ -158,7 +159,8 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     from omegaconf import OmegaConf
 
     from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
-    from hybrid_rl.engine.fsdp import build_policy_engine, build_reward_engine, build_value_engine, to_dtype
+    from hybrid_rl.engine.builders import build_policy_engine, build_reward_engine, build_value_engine
+    from hybrid_rl.engine.fsdp import to_dtype
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rewards.pool import RewardPool
 

@@ -166,3 +166,14 @@ def restore_rl_run_state(state: dict[str, Any], parts: Any) -> None:
     if parts.critic is not None and state.get("critic_engine") is not None:
         parts.critic.load_extra_state(state["critic_engine"])
     parts.switch.weights_version = int(state["weights_version"])
+
+
+def record_scheduler_job(out_dir: Path, is_main: bool) -> None:
+    """Append the Slurm job id (and restart count) to <output_dir>/slurm_jobs.txt."""
+    if is_main and "SLURM_JOB_ID" in os.environ:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with (out_dir / "slurm_jobs.txt").open("a") as fh:
+            fh.write(
+                f"{os.environ['SLURM_JOB_ID']} restart={os.environ.get('SLURM_RESTART_COUNT', '0')} "
+                f"time={time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+            )

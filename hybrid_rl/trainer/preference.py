@@ -27,7 +27,8 @@ from hybrid_rl.data.preference import (
     synthetic_preference_dir,
 )
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, barrier
-from hybrid_rl.engine.fsdp import FSDPEngine, build_policy_engine, build_reward_engine
+from hybrid_rl.engine.builders import build_policy_engine, build_reward_engine
+from hybrid_rl.engine.fsdp import FSDPEngine
 from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len
 from hybrid_rl.trainer.logger import MetricsLogger
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -76,18 +75,8 @@ class RLTrainer:
         self.logger = MetricsLogger(
             cfg.logger, self.out_dir, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.total_steps, ctx.is_main
         )
-        self._record_scheduler_job()
+        ckpt.record_scheduler_job(self.out_dir, ctx.is_main)
         self._maybe_resume()
-
-    def _record_scheduler_job(self) -> None:
-        """Append the Slurm job id (and restart count) to <output_dir>/slurm_jobs.txt."""
-        if self.ctx.is_main and "SLURM_JOB_ID" in os.environ:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            with (self.out_dir / "slurm_jobs.txt").open("a") as fh:
-                fh.write(
-                    f"{os.environ['SLURM_JOB_ID']} restart={os.environ.get('SLURM_RESTART_COUNT', '0')} "
-                    f"time={time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
-                )
 
     # ================================================================ the loop
     def fit(self) -> dict[str, float]:

@@ -18,7 +18,7 @@ from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss
 from hybrid_rl.batch import Sample, collate
 from hybrid_rl.data.dataset import DataError, PromptSampler, get_path, load_prompts, read_rows, resolve_files
 from hybrid_rl.dist import DistContext, all_reduce_sum, barrier
-from hybrid_rl.engine.fsdp import build_policy_engine
+from hybrid_rl.engine.builders import build_policy_engine
 from hybrid_rl.rollout.chat import assemble_trajectory
 from hybrid_rl.trainer.build import build_tools, load_tokenizer, max_model_len
 from hybrid_rl.trainer.logger import MetricsLogger

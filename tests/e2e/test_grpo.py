@@ -12,21 +12,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = [
     "+recipe=grpo_math",
-    "model.path=builtin:tiny",
+    "+overlay=ci_tiny",
+    "algorithm.filter_groups=false",
+    "trainer.export_hf=true",
+    "trainer.val_before_train=true",
     "trainer.nproc_per_node=2",
-    "data.train_batch_size=4",
-    "rollout.n=4",
     "rollout.max_response_length=24",
     "data.val_size=16",
     "trainer.val_every=2",
     "trainer.save_every=2",
-    "logger.progress_bar=false",
     "rollout.val_pass_k=2",
-    "actor.micro_batch_size=8",
     # a random-init model scores 0 on math everywhere (all-zero advantages, nothing trained):
     # train on a reward it has a spread on, the answer's length; validation still uses math
     f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
-    "algorithm.filter_groups=false",
 ]
 
 

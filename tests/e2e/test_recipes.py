@@ -11,16 +11,10 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 LENGTH_REWARD = ROOT / "tests" / "e2e" / "length_reward.py"
 FAST = [
-    "model.path=builtin:tiny",
+    "+overlay=ci_tiny",
     "trainer.nproc_per_node=1",
-    "data.train_batch_size=4",
-    "rollout.n=4",
     "rollout.max_response_length=24",
     "trainer.total_steps=2",
-    "trainer.val_every=0",
-    "trainer.val_before_train=false",
-    "trainer.export_hf=false",
-    "logger.progress_bar=false",
     "actor.micro_batch_size=16",
     # a random-init model gets no math right; a length reward gives the groups some variance
     f"reward.functions=[{{name: custom, weight: 1.0, path: {LENGTH_REWARD}, function: score}}]",

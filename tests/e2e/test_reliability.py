@@ -16,19 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 BASE = [
     "+recipe=grpo_math",
-    "model.path=builtin:tiny",
-    "data.train_batch_size=4",
-    "rollout.n=4",
-    "rollout.max_response_length=16",
-    "data.val_size=8",
-    "trainer.val_every=0",
-    "trainer.val_before_train=false",
+    "+overlay=ci_tiny",
+    "algorithm.filter_groups=false",
     "trainer.save_every=1",
     "trainer.keep_last=10",
-    "logger.progress_bar=false",
-    "actor.micro_batch_size=8",
-    "algorithm.filter_groups=false",
-    "trainer.export_hf=false",
     "actor.lr=1e-3",
     # a custom reward that scores by length makes the updates non-trivial on a random model
     f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",

@@ -24,7 +24,8 @@ from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss  # noqa: E402
 from hybrid_rl.batch import Sample, collate  # noqa: E402
 from hybrid_rl.config import ActorConfig, ModelConfig, RolloutConfig  # noqa: E402
 from hybrid_rl.dist import all_reduce_max, barrier, init_distributed  # noqa: E402
-from hybrid_rl.engine.fsdp import build_policy_engine, to_dtype  # noqa: E402
+from hybrid_rl.engine.builders import build_policy_engine  # noqa: E402
+from hybrid_rl.engine.fsdp import to_dtype  # noqa: E402
 from hybrid_rl.hybrid.switch import HybridSwitch  # noqa: E402
 from hybrid_rl.models.tiny import tiny_model_path  # noqa: E402
 from hybrid_rl.rollout.base import SamplingSpec  # noqa: E402

@@ -58,7 +58,9 @@ def test_amx_request_is_granted_or_fails_with_one_clear_line(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(cpu_bf16_support() is None, reason="CPU has neither amx_bf16 nor avx512_bf16: vLLM CPU runs bf16 slowly or not at all")
+@pytest.mark.skipif(
+    cpu_bf16_support() is None, reason="CPU has neither amx_bf16 nor avx512_bf16: vLLM CPU runs bf16 slowly or not at all"
+)
 def test_bf16_vllm_engine_generates_in_a_fresh_process(micro_path):
     proc = subprocess.run(
         [sys.executable, "-c", FRESH_BF16_ENGINE, micro_path], check=False, capture_output=True, text=True, timeout=300

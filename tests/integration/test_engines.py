@@ -72,7 +72,7 @@ def test_chunked_logprobs_equal_naive():
 
 def _engine(ctx, path, micro):
     from hybrid_rl.config import ActorConfig, ModelConfig
-    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.builders import build_policy_engine
 
     mc = ModelConfig(attn_implementation="sdpa")
     ac = ActorConfig(lr=1e-3, micro_batch_size=micro, logprob_chunk=7, packing=False)
@@ -153,7 +153,7 @@ def test_master_weights_and_adam_state_stay_fp32_with_bf16_compute(ctx, micro_pa
     """actor.param_dtype=bfloat16 computes in bf16; masters and AdamW moments stay fp32, so a
     small update changes (almost) every parameter (bf16 masters at lr 1e-6 changed ~2%)."""
     from hybrid_rl.config import ActorConfig, ModelConfig
-    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.builders import build_policy_engine
 
     ac = ActorConfig(lr=1e-6, micro_batch_size=8, packing=False, param_dtype="bfloat16")
     engine = build_policy_engine(micro_path, ModelConfig(attn_implementation="sdpa"), ac, ctx, total_steps=10)
@@ -198,7 +198,7 @@ def test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync(
     from safetensors.torch import load_file
 
     from hybrid_rl.config import ActorConfig, ModelConfig
-    from hybrid_rl.engine.fsdp import build_policy_engine
+    from hybrid_rl.engine.builders import build_policy_engine
     from hybrid_rl.engine.heads import Sampling
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rollout.base import prompt_seed

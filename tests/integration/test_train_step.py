@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from hybrid_rl.batch import Rollout, Sample, collate
 from hybrid_rl.config import register_configs
-from hybrid_rl.engine.fsdp import build_policy_engine
+from hybrid_rl.engine.builders import build_policy_engine
 from hybrid_rl.hybrid.switch import HybridSwitch
 from hybrid_rl.rollout.base import GenerateStats
 from hybrid_rl.trainer.build import RLParts, conf_dir

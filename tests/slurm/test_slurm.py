@@ -14,17 +14,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "recipes" / "slurm" / "single_node.sbatch"
 OVERRIDES = [
-    "model.path=builtin:tiny",
-    "data.train_batch_size=4",
-    "rollout.n=4",
-    "rollout.max_response_length=16",
-    "data.val_size=8",
-    "trainer.val_every=0",
-    "trainer.val_before_train=false",
-    "logger.progress_bar=false",
-    "actor.micro_batch_size=8",
+    "+overlay=ci_tiny",
     "algorithm.filter_groups=false",
-    "trainer.export_hf=false",
     "trainer.save_every=1",
 ]
 

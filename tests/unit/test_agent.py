@@ -1,5 +1,5 @@
 """The agent loop's token-in/token-out assembly and loss mask, on the real tokenizer, driven by a
-scripted fake engine (the real engine is exercised by tests/integration/test_agent_engine.py)."""
+scripted fake engine (the real engine runs the agent recipe in tests/e2e/test_recipes.py)."""
 
 import asyncio
 import time

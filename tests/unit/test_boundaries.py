@@ -16,7 +16,7 @@ LAYERS = [
     {"errors", "batch", "timing", "faults", "env", "dist", "launch"},
     {"rewards", "algorithms"},
     {"engine", "rollout"},
-    {"config", "data", "hybrid", "models"},
+    {"config", "config_checks", "data", "hybrid", "models"},
     {"trainer"},
     {"tasks", "main", "plot"},
 ]

@@ -136,3 +136,13 @@ def test_contradictory_settings_are_named(overrides, world, needle):
     cfg = compose_cfg(*overrides)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
         validate(cfg, world)
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "grpo_math_gpu"])
+def test_the_ci_overlay_stacks_on_every_recipe(recipe):
+    """``+overlay=ci_tiny`` is the one place for the tiny-run settings the tests share."""
+    # recipes whose own constraints need more room than the overlay's 4 x 16 tokens
+    extra = {"dapo_math": ["rollout.max_response_length=24"], "gfpo_math": ["rollout.n=8", "algorithm.gfpo_keep=4"]}
+    cfg = compose_cfg(f"+recipe={recipe}", "+overlay=ci_tiny", *extra.get(recipe, []))
+    validate(cfg, world_size=1)
+    assert cfg.model.path == "builtin:tiny" and cfg.trainer.export_hf is False and cfg.logger.progress_bar is False
