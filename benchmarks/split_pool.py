@@ -59,34 +59,54 @@ def make_prompts(tok, n: int, step: int) -> list[tuple[list[int], str]]:
     return out
 
 
-def grpo_update(actor, tok, prompts, completions, max_tokens: int) -> dict:
-    """Reward, GRPO advantage, and one optimizer step (the same code for both layouts)."""
-    import torch
+def rl_trainer(ctx, actor, engine, switch, tok, args):
+    """The project's own RL trainer over the benchmark's parts: its ``train_on_batch`` (log-probs,
+    GRPO advantage, update) is the update of both layouts, not a copy of it."""
+    from hydra import compose, initialize_config_dir
 
-    from hybrid_rl.algorithms.advantages import AdvantageInputs
-    from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss
-    from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
-    from hybrid_rl.batch import Sample, collate
-    from hybrid_rl.config import AlgorithmConfig
-    from hybrid_rl.dist import all_reduce_sum
+    from hybrid_rl.config import register_configs
+    from hybrid_rl.trainer.build import RLParts, conf_dir
+    from hybrid_rl.trainer.rl import RLTrainer
+
+    register_configs()
+    overrides = [
+        "+recipe=grpo_math", f"trainer.nproc_per_node={ctx.world_size}", "trainer.resume=none", "logger.backends=[]",
+        f"trainer.output_dir={tempfile.mkdtemp(prefix='split-pool-')}", "logger.progress_bar=false",
+        f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}", f"rollout.max_response_length={args.max_tokens}",
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return RLTrainer(cfg, ctx, RLParts(tok, [], [], [], None, actor, None, None, engine, switch, None, None, None))
+
+
+def grpo_update(trainer, tok, prompts, completions) -> dict:
+    """Score with the math verifier, then the trainer's own update on the scored rollout."""
+    from hybrid_rl.batch import Rollout, Sample
     from hybrid_rl.rewards.functions import math_reward
 
-    alg = AlgorithmConfig()
-    samples, scores = [], []
+    samples = []
     for g, ((ids, answer), comps) in enumerate(zip(prompts, completions, strict=True)):
         for toks, lps in comps:
-            samples.append(Sample(ids, toks, lps, [1] * len(toks), "stop", g))
-            scores.append(math_reward("synth_math", tok.decode(toks, skip_special_tokens=True), answer))
-    batch = collate(samples, tok.pad_token_id)
-    mask = batch.response_mask
-    tr = torch.zeros_like(mask)
-    last = (mask.sum(-1) - 1).clamp(min=0).long()
-    tr[torch.arange(batch.size), last] = torch.tensor(scores)
-    batch.advantages, _ = ADV_ESTIMATORS[alg.adv_estimator](AdvantageInputs(tr, mask, batch.group_ids), alg)
-    n_tok, n_seq = all_reduce_sum([float(mask.sum()), float(batch.size)])
-    batch.loss_weights = agg_weights(mask, alg.loss_agg_mode, n_tok, n_seq, max_tokens)
-    m = actor.train_batch(batch, make_actor_loss(alg))
-    return {"reward": sum(scores) / len(scores), "loss": m["actor/loss"]}
+            score = math_reward("synth_math", tok.decode(toks, skip_special_tokens=True), answer)
+            samples.append(Sample(ids, toks, lps, [1] * len(toks), "stop", g, score=score))
+    m = trainer.train_on_batch(Rollout(samples, trainer.switch.engine_version))
+    return {"reward": sum(s.score for s in samples) / len(samples), "loss": m["actor/loss"]}
+
+
+class RemoteEngine:
+    """The split layout's trainer-side stand-in for the rollout engine (it lives in the other
+    process): the switch only counts versions here; the sync is the broadcast below."""
+
+    supports_sleep = False
+
+    def load_weights(self, weights):
+        raise RuntimeError("the split layout broadcasts weights itself")
+
+    def sleep(self, level=1):
+        return False
+
+    def memory_report(self):
+        return {}
 
 
 def completions_of(results) -> list[list[tuple[list[int], list[float]]]]:
@@ -112,6 +132,7 @@ def hybrid(args) -> None:
     engine = VLLMRollout(path, RC, args.dtype, seed=ctx.rank, device=ctx.device, max_model_len=512)
     switch = HybridSwitch(actor, engine, sync_dtype=to_dtype(args.dtype), bucket_bytes=64 << 20, device=ctx.device)
     tok = engine.tokenizer
+    trainer = rl_trainer(ctx, actor, engine, switch, tok, args)
     steps = []
     for step in range(args.steps + 1):
         barrier()
@@ -121,7 +142,7 @@ def hybrid(args) -> None:
         results = engine.generate([p for p, _ in prompts], spec)
         t1 = time.perf_counter()
         switch.to_train()
-        m = grpo_update(actor, tok, prompts, completions_of(results), args.max_tokens)
+        m = grpo_update(trainer, tok, prompts, completions_of(results))
         t2 = time.perf_counter()
         switch.to_rollout()
         barrier()
@@ -212,6 +233,10 @@ def split_trainer(args) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
+    from hybrid_rl.hybrid.switch import HybridSwitch
+
+    switch = HybridSwitch(actor, RemoteEngine(), sync_dtype=dt, bucket_bytes=64 << 20, device=ctx.device)
+    trainer = rl_trainer(ctx, actor, switch.rollout, switch, tok, args)
     steps = []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
@@ -219,12 +244,13 @@ def split_trainer(args) -> None:
         conn.send(("generate", [p for p, _ in prompts], step))
         comps = conn.recv()
         t1 = time.perf_counter()
-        m = grpo_update(actor, tok, prompts, comps, args.max_tokens)
+        m = grpo_update(trainer, tok, prompts, comps)
         t2 = time.perf_counter()
         conn.send(("sync",))
         for _, t in actor.iter_full_params(64 << 20, dt):
             pg.broadcast(t.contiguous(), 0).wait()
         assert conn.recv() == "ok"
+        switch.engine_version = switch.weights_version  # the remote engine acknowledged the new weights
         t3 = time.perf_counter()
         steps.append({"generate": t1 - t0, "update": t2 - t1, "sync": t3 - t2, "total": t3 - t0, **m})
     conn.send(("stop",))

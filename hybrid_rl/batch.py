@@ -9,6 +9,7 @@ quantity is a ``[B, R]`` tensor aligned with the response.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -167,3 +168,7 @@ class ModelOutputs(NamedTuple):
     entropy: Tensor | None = None  # [b, R] entropy of pi(. | x, y_<t)
     values: Tensor | None = None  # [b, R] critic values (value head)
     scores: Tensor | None = None  # [b] scalar head at the last token (reward model)
+
+
+# A loss the training engine minimises: (model outputs, micro-batch) -> (scalar loss share, metrics).
+LossFn = Callable[[ModelOutputs, TrainBatch], tuple[Tensor, dict]]

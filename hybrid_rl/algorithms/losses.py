@@ -8,7 +8,6 @@ into micro-batches (and ranks) changes nothing: ``sum_micro sum_{i,t} w_{i,t} l_
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from hybrid_rl.algorithms.kl import kl_estimate
 from hybrid_rl.algorithms.registry import POLICY_LOSSES, register_policy_loss
-from hybrid_rl.batch import ModelOutputs, TrainBatch
+from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -140,9 +139,6 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, mo
     else:
         raise ValueError(f"tis mode must be token or sequence, got {mode!r}")
     return w.clamp(max=cap).detach()
-
-
-LossFn = Callable[[ModelOutputs, TrainBatch], tuple[Tensor, dict]]
 
 
 def make_actor_loss(cfg: Any) -> LossFn:

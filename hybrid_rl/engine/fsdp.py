@@ -24,11 +24,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybrid_rl.batch import ModelOutputs, TrainBatch
+from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
 from hybrid_rl.engine.heads import Sampling
-
-LossFn = Callable[[ModelOutputs, TrainBatch], tuple[Tensor, dict]]
 
 DTYPES = {
     "float32": torch.float32,

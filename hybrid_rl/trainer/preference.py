@@ -9,7 +9,6 @@ a list. Losses are normalised by the global number of pairs/lists (all ranks).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, barr
 from hybrid_rl.engine.builders import build_policy_engine, build_reward_engine
 from hybrid_rl.engine.fsdp import FSDPEngine
 from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len
-from hybrid_rl.trainer.logger import MetricsLogger
+from hybrid_rl.trainer.offline import fit_offline, offline_logger, offline_steps
 
 log = logging.getLogger("hybrid_rl")
 # In-process vLLM engines must outlive the process group (see rollout/vllm_engine.py).
@@ -157,7 +156,7 @@ def run_dpo(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
     train = load_preferences(train_files, tok, cfg.data, "pairs")
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)
     bs = cfg.data.train_batch_size
-    steps = min(cfg.trainer.total_steps, max(1, int(cfg.trainer.sft_epochs * len(train) / bs)))
+    steps = offline_steps(cfg, len(train))
     policy = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
     policy.micro_batch_size = _micro(cfg, 2)
     ref = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False)
@@ -165,25 +164,20 @@ def run_dpo(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
     # Reference log-probs once, for every pair (the reference never changes).
     ref_train = seq_logprobs(ref, _shard(train, ctx), tok.pad_token_id)
     ref_val = seq_logprobs(ref, val, tok.pad_token_id)
-    logger = MetricsLogger(
-        cfg.logger, Path(cfg.trainer.output_dir), OmegaConf.to_container(cfg, resolve=True), steps, ctx.is_main
-    )
+    logger = offline_logger(cfg, ctx, steps)
     before = dpo_eval(policy, ref_val, val, tok.pad_token_id, cfg.preference.beta)
     logger.log(0, before)
     mine = _shard(train, ctx)
-    per = bs // ctx.world_size
-    sampler = PromptSampler(len(mine), per, cfg.data.seed, cfg.data.shuffle)
-    loss_fn = make_dpo_loss(cfg.preference.beta, float(bs))
-    last: dict[str, float] = {}
-    for step in range(1, steps + 1):
-        start = time.perf_counter()
+    sampler = PromptSampler(len(mine), bs // ctx.world_size, cfg.data.seed, cfg.data.shuffle)
+
+    def next_batch() -> TrainBatch:
         idx = sampler.next_batch()
         batch = rows_for([mine[i] for i in idx], tok.pad_token_id)
         batch.ref_seq_logprobs = torch.stack([ref_train[2 * i + j] for i in idx for j in (0, 1)])
-        last = policy.train_batch(batch, loss_fn, metric_weight="rows")
-        last["timing/step"] = time.perf_counter() - start
-        if step % 10 == 0 or step == steps:
-            logger.log(step, last)
+        return batch
+
+    loss_fn = make_dpo_loss(cfg.preference.beta, float(bs))
+    last = fit_offline(policy, next_batch, loss_fn, steps, logger, metric_weight="rows")
     after = dpo_eval(policy, ref_val, val, tok.pad_token_id, cfg.preference.beta)
     policy.export_hf(str(Path(cfg.trainer.output_dir) / "hf"), tok)
     logger.log(steps, after)
@@ -233,26 +227,18 @@ def run_rm(cfg: Any, ctx: DistContext, model_path: str, export_dir: str | None =
         train = [ex for ex in train if len(ex.responses) == group]
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)
     bs = cfg.data.train_batch_size
-    steps = min(cfg.trainer.total_steps, max(1, int(cfg.trainer.sft_epochs * len(train) / bs)))
+    steps = offline_steps(cfg, len(train))
     engine = build_reward_engine(model_path, cfg, ctx, steps, trainable=True)
     engine.micro_batch_size = _micro(cfg, group)
-    logger = MetricsLogger(
-        cfg.logger, Path(cfg.trainer.output_dir), OmegaConf.to_container(cfg, resolve=True), steps, ctx.is_main
-    )
+    logger = offline_logger(cfg, ctx, steps)
     before = rm_eval(engine, val, tok.pad_token_id)
     logger.log(0, before)
     mine = _shard(train, ctx)
     sampler = PromptSampler(len(mine), bs // ctx.world_size, cfg.data.seed, cfg.data.shuffle)
     loss_fn = make_rm_loss(kind, group, float(bs), cfg.preference.rm_margin)
-    last: dict[str, float] = {}
-    for step in range(1, steps + 1):
-        start = time.perf_counter()
-        last = engine.train_batch(
-            rows_for([mine[i] for i in sampler.next_batch()], tok.pad_token_id), loss_fn, metric_weight="rows"
-        )
-        last["timing/step"] = time.perf_counter() - start
-        if step % 10 == 0 or step == steps:
-            logger.log(step, last)
+    last = fit_offline(
+        engine, lambda: rows_for([mine[i] for i in sampler.next_batch()], tok.pad_token_id), loss_fn, steps, logger, "rows"
+    )
     after = rm_eval(engine, val, tok.pad_token_id)
     engine.export_hf(export_dir or str(Path(cfg.trainer.output_dir) / "hf"), tok)
     logger.log(steps, after)

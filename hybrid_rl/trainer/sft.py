@@ -8,20 +8,17 @@ token-mean negative log-likelihood of the response tokens over the whole batch (
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss
-from hybrid_rl.batch import Sample, collate
+from hybrid_rl.batch import Sample, TrainBatch, collate
 from hybrid_rl.data.dataset import DataError, PromptSampler, get_path, load_prompts, read_rows, resolve_files
 from hybrid_rl.dist import DistContext, all_reduce_sum, barrier
 from hybrid_rl.engine.builders import build_policy_engine
 from hybrid_rl.rollout.chat import assemble_trajectory
 from hybrid_rl.trainer.build import build_tools, load_tokenizer, max_model_len
-from hybrid_rl.trainer.logger import MetricsLogger
+from hybrid_rl.trainer.offline import fit_offline, offline_logger, offline_steps
 
 log = logging.getLogger("hybrid_rl")
 
@@ -69,27 +66,21 @@ def run_sft(
     bs = cfg.data.train_batch_size
     if bs % ctx.world_size:
         raise DataError(f"data.train_batch_size={bs} does not divide over {ctx.world_size} ranks")
-    steps = min(cfg.trainer.total_steps, max(1, int(cfg.trainer.sft_epochs * len(samples) / bs)))
+    steps = offline_steps(cfg, len(samples))
     engine = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
     sampler = PromptSampler(len(samples), bs, cfg.data.seed, cfg.data.shuffle)
-    loss_fn = make_sft_loss()
-    out_dir = Path(cfg.trainer.output_dir)
-    logger = MetricsLogger(cfg.logger, out_dir, OmegaConf.to_container(cfg, resolve=True), steps, ctx.is_main)
+    logger = offline_logger(cfg, ctx, steps)
     per_rank = bs // ctx.world_size
-    last: dict[str, float] = {}
-    for step in range(1, steps + 1):
-        start = time.perf_counter()
+
+    def next_batch() -> TrainBatch:
         idx = sampler.next_batch()[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
         batch = collate([samples[i] for i in idx], tok.pad_token_id)
         n_tok, n_seq = all_reduce_sum([float(batch.response_mask.sum()), float(batch.size)])
         batch.loss_weights = agg_weights(batch.response_mask, "token-mean", n_tok, n_seq)
-        metrics = engine.train_batch(batch, loss_fn)
-        metrics["timing/step"] = time.perf_counter() - start
-        metrics["train/tokens_per_s"] = all_reduce_sum([float(batch.attention_mask.sum())])[0] / metrics["timing/step"]
-        last = metrics
-        if step % 10 == 0 or step == steps:
-            logger.log(step, metrics)
-    hf_dir = export_dir or str(out_dir / "hf")
+        return batch
+
+    last = fit_offline(engine, next_batch, make_sft_loss(), steps, logger)
+    hf_dir = export_dir or str(Path(cfg.trainer.output_dir) / "hf")
     engine.export_hf(hf_dir, tok)
     if evaluate_after:
         last.update(_evaluate_export(cfg, ctx, hf_dir, tok))

@@ -83,3 +83,19 @@ def test_skipped_weight_sync_is_caught_by_the_stale_weight_guard(tmp_path):
     assert "error (rank 0): rollout was generated with weights version 0 but the trainer is at 1" in p.stderr
     steps = [r["step"] for r in rows(tmp_path) if "actor/loss" in r]
     assert steps == [1]
+
+
+def test_a_reward_failure_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    """Before, the failing rank raised alone and the other waited in its next collective until
+    the timeout; now the failure goes through the same collective as rollout errors."""
+    import time
+
+    failing = ROOT / "tests" / "e2e" / "failing_reward.py"
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *COMMON, f"trainer.output_dir={tmp_path}", "trainer.total_steps=3"]
+    cmd += ["trainer.val_every=0", "trainer.val_before_train=false", "trainer.collective_timeout_s=120"]
+    cmd += ["reward.max_failed_steps=1", f"reward.functions=[{{name: custom, weight: 1.0, path: {failing}, function: score}}]"]
+    start = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, timeout=900)
+    assert p.returncode == 2, p.stderr[-4000:]
+    assert time.perf_counter() - start < 100, "a rank waited for the collective timeout"
+    assert "error (rank 0): rollout at step 1 failed (rank 1: RewardFailure" in p.stderr, p.stderr[-3000:]

@@ -11,32 +11,12 @@ from hybrid_rl.batch import Rollout, Sample, collate
 from hybrid_rl.config import register_configs
 from hybrid_rl.engine.builders import build_policy_engine
 from hybrid_rl.hybrid.switch import HybridSwitch
-from hybrid_rl.rollout.base import GenerateStats
 from hybrid_rl.trainer.build import RLParts, conf_dir
 from hybrid_rl.trainer.rl import RLTrainer
+from tests.fakes import NullEngine
 
 pytestmark = pytest.mark.integration
 register_configs()
-
-
-class NoEngine:
-    """Rollout side of the switch: accepts weights, generates nothing (the rollout is given)."""
-
-    supports_sleep = False
-    last_stats = GenerateStats()
-
-    def load_weights(self, weights):
-        for _ in weights:
-            pass
-
-    def reset_prefix_cache(self):
-        pass
-
-    def sleep(self, level=1):
-        return False
-
-    def memory_report(self):
-        return {}
 
 
 def make_trainer(ctx, micro_path, tmp_path, *overrides):
@@ -48,7 +28,7 @@ def make_trainer(ctx, micro_path, tmp_path, *overrides):
                        "logger.progress_bar=false", "actor.lr=1e-2", "actor.packing=false", *overrides],
         )  # fmt: skip
     actor = build_policy_engine(micro_path, cfg.model, cfg.actor, ctx, total_steps=10)
-    engine = NoEngine()
+    engine = NullEngine()
     switch = HybridSwitch(actor, engine, sync_dtype=None, bucket_bytes=1 << 20)
     from transformers import AutoTokenizer
 

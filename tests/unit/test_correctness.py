@@ -21,6 +21,7 @@ from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, 
 from hybrid_rl.trainer.collect import RolloutCollector, merge_round_metrics
 from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.rl import RLTrainer
+from tests.fakes import NullEngine
 
 pytestmark = pytest.mark.unit
 
@@ -77,30 +78,8 @@ class _Weights:
         return 0
 
 
-class _Engine:
-    supports_sleep = False
-
-    def __init__(self, fail=False):
-        self.loads, self.fail = 0, fail
-
-    def load_weights(self, weights):
-        list(weights)
-        if self.fail:
-            raise RuntimeError("load failed")
-        self.loads += 1
-
-    def reset_prefix_cache(self):
-        pass
-
-    def sleep(self, level=1):
-        return False
-
-    def memory_report(self):
-        return {}
-
-
 def test_stale_weight_guard_fires_when_a_sync_is_skipped_or_fails():
-    engine = _Engine()
+    engine = NullEngine()
     sw = HybridSwitch(_Weights(), engine, sync_dtype=None, bucket_bytes=1)
     sw.check_version(sw.engine_version)  # fresh engine holds the initial weights
     sw.policy_updated()
@@ -111,7 +90,7 @@ def test_stale_weight_guard_fires_when_a_sync_is_skipped_or_fails():
     with pytest.raises(StaleWeightsError, match="weights version 1 but the trainer is at 2"):
         sw.check_version(sw.engine_version)
     sw.check_version(sw.engine_version, max_staleness=1)  # allowed lag
-    failing = HybridSwitch(_Weights(), _Engine(fail=True), sync_dtype=None, bucket_bytes=1)
+    failing = HybridSwitch(_Weights(), NullEngine(fail=True), sync_dtype=None, bucket_bytes=1)
     failing.policy_updated()
     with pytest.raises(RuntimeError, match="load failed"):
         failing.to_rollout()
