@@ -77,7 +77,7 @@ def test_interrupt_then_resume_matches_uninterrupted(reference, tmp_path, how):
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, signal.SIGTERM)
-            time.sleep(0.5)
+            time.sleep(0.2)  # well inside the step the ranks are finishing
             os.kill(proc.pid, signal.SIGTERM)
         output, _ = proc.communicate(timeout=300)
     finally:
