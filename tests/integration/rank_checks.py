@@ -44,27 +44,28 @@ def fixed_batch():
 
 
 def gradients(ctx, path: str, mode: str) -> dict[str, list[float]]:
-    actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ActorConfig(micro_batch_size=2), ctx, 10)
+    """The gradient the engine's own ``train_batch`` (micro-batching, accumulation, rank scaling)
+    hands the optimizer, gathered from the shards; no clipping so nothing rescales it."""
+    ac = ActorConfig(micro_batch_size=2, grad_clip=0.0, packing=False)
+    actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ac, ctx, 10)
     samples = fixed_batch()
     per = len(samples) // ctx.world_size
-    mine = samples[ctx.rank * per : (ctx.rank + 1) * per]
-    batch = collate(mine, 0)
-    g = torch.Generator().manual_seed(1)
-    full_adv = torch.randn(8, 16, generator=g)
+    batch = collate(samples[ctx.rank * per : (ctx.rank + 1) * per], 0)
+    full_adv = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     batch.advantages = full_adv[ctx.rank * per : (ctx.rank + 1) * per, : batch.response_mask.shape[1]]
     n_tok, n_seq = all_reduce_sum([float(batch.response_mask.sum()), float(batch.size)])
     batch.loss_weights = agg_weights(batch.response_mask, mode, n_tok, n_seq, 16)
-    loss_fn = make_actor_loss(AlgorithmConfig(loss_agg_mode=mode))
-    actor.module.train()
-    for i, part in enumerate(batch.split(2)):  # micro-batches, as the engine splits them
-        mb = part.trimmed()
-        actor.module.set_requires_gradient_sync(i == per // 2 - 1)
-        loss, _ = loss_fn(actor._forward(mb, 1.0), mb)
-        (loss * ctx.world_size).backward()
-    out = {}
-    for name, p in actor.module.named_parameters():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        out[name] = [*grad.flatten()[:64].tolist(), float(grad.norm())]
+    out: dict[str, list[float]] = {}
+    step = actor.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        for name, p in actor.module.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = [*grad.flatten()[:64].tolist(), float(grad.norm())]
+        return step(*args, **kwargs)
+
+    actor.optimizer.step = capture_then_step
+    actor.train_batch(batch, make_actor_loss(AlgorithmConfig(loss_agg_mode=mode)))
     return out
 
 
