@@ -94,13 +94,24 @@ def grpo_update(trainer, tok, prompts, completions) -> dict:
 
 
 class RemoteEngine:
-    """The split layout's trainer-side stand-in for the rollout engine (it lives in the other
-    process): the switch only counts versions here; the sync is the broadcast below."""
+    """The split layout's trainer-side handle on the rollout engine in the other process: loading
+    weights broadcasts them over the gloo group and waits for the engine's acknowledgement, so
+    the trainer's own switch stamps the engine's weights version as in the hybrid layout."""
 
     supports_sleep = False
 
+    def __init__(self, conn, pg) -> None:
+        self.conn, self.pg = conn, pg
+
     def load_weights(self, weights):
-        raise RuntimeError("the split layout broadcasts weights itself")
+        self.conn.send(("sync",))
+        for _, t in weights:
+            self.pg.broadcast(t.contiguous(), 0).wait()
+        if self.conn.recv() != "ok":
+            raise RuntimeError("the rollout process did not acknowledge the weights")
+
+    def reset_prefix_cache(self):
+        pass  # the rollout process resets its own after loading
 
     def sleep(self, level=1):
         return False
@@ -235,7 +246,7 @@ def split_trainer(args) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     from hybrid_rl.hybrid.switch import HybridSwitch
 
-    switch = HybridSwitch(actor, RemoteEngine(), sync_dtype=dt, bucket_bytes=64 << 20, device=ctx.device)
+    switch = HybridSwitch(actor, RemoteEngine(conn, pg), sync_dtype=dt, bucket_bytes=64 << 20, device=ctx.device)
     trainer = rl_trainer(ctx, actor, switch.rollout, switch, tok, args)
     steps = []
     for step in range(args.steps + 1):
@@ -246,11 +257,7 @@ def split_trainer(args) -> None:
         t1 = time.perf_counter()
         m = grpo_update(trainer, tok, prompts, comps)
         t2 = time.perf_counter()
-        conn.send(("sync",))
-        for _, t in actor.iter_full_params(64 << 20, dt):
-            pg.broadcast(t.contiguous(), 0).wait()
-        assert conn.recv() == "ok"
-        switch.engine_version = switch.weights_version  # the remote engine acknowledged the new weights
+        switch.to_rollout()
         t3 = time.perf_counter()
         steps.append({"generate": t1 - t0, "update": t2 - t1, "sync": t3 - t2, "total": t3 - t0, **m})
     conn.send(("stop",))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -139,8 +140,6 @@ class AppState:
 def rl_run_state(step: int, parts: Any, kl_coef: float) -> dict[str, Any]:
     """What an RL run needs besides the weights to continue exactly: the step, the data position,
     the weights version, the KL coefficient, reward-failure count, RNG and engine counters."""
-    import random
-
     return {
         "step": step,
         "sampler": parts.sampler.state_dict(),
@@ -156,8 +155,6 @@ def rl_run_state(step: int, parts: Any, kl_coef: float) -> dict[str, Any]:
 
 def restore_rl_run_state(state: dict[str, Any], parts: Any) -> None:
     """The inverse of :func:`rl_run_state` (the caller restores step and KL coefficient)."""
-    import random
-
     parts.sampler.load_state_dict(state["sampler"])
     parts.reward_pool.failed_steps = int(state["reward_failed_steps"])
     torch.set_rng_state(state["rng_torch"])

@@ -39,9 +39,7 @@ from hybrid_rl.faults import fault_active, maybe_fail
 from hybrid_rl.hybrid.switch import SwitchReport
 from hybrid_rl.timing import PhaseTimer, process_stats
 from hybrid_rl.trainer import checkpoint as ckpt
-from hybrid_rl.trainer.build import (
-    RLParts,
-)
+from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.validation import evaluate
