@@ -16,6 +16,8 @@ from hybrid_rl.rollout.base import RolloutEngine
 
 BACKENDS: dict[str, str] = {
     "vllm": "hybrid_rl.rollout.vllm_engine:VLLMRollout",
+    # transformers' generate: no vLLM needed (GPU check, fallback); slower, no prefix sharing.
+    "hf": "hybrid_rl.rollout.hf_engine:HFRollout",
 }
 
 

@@ -63,6 +63,17 @@ def test_recipe_runs(tmp_path, recipe):
         assert "agent/turns_mean" in rows[0]
 
 
+@pytest.mark.parametrize("recipe", ["grpo_math", "ppo_math", "agentic_math_tool"])
+def test_transformers_rollout_backend_trains(tmp_path, recipe):
+    """rollout.backend=hf (no vLLM): single-turn groups, PPO with a critic (the switch's idle
+    engines) and the multi-turn agent loop (submit/poll) train through the same trainer."""
+    rows = [r for r in run(tmp_path, recipe, "rollout.backend=hf", *RECIPES[recipe]) if "weights_version" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert any("actor/loss" in r for r in rows)
+    assert all(r["rollout/prefix_cached_tokens"] == 0 for r in rows if "rollout/prefix_cached_tokens" in r)
+    assert any(r.get("reward/std", 0) > 0 for r in rows)  # a signal to learn from
+
+
 def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
     from tests.e2e.test_preference import write_pairs
 
