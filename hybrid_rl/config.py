@@ -35,13 +35,16 @@ class ModelConfig:
     # HF attention kernel for training: sdpa (CPU and CUDA), flash_attention_2 (CUDA, if installed), eager.
     attn_implementation: str = "auto"
     trust_remote_code: bool = False
+    # Build on the meta device, shard, then read each rank's rows from the safetensors files
+    # (no full copy of the model on any rank). false: load the whole model on every rank first.
+    sharded_init: bool = True
 
 
 @dataclass
 class SynthMathConfig:
     # Problems in the generated train / validation splits.
     n_train: int = 20000
-    n_val: int = 256
+    n_val: int = 1024
     # Difficulty levels (see hybrid_rl.data.synth_math).
     levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     seed: int = 0
@@ -93,7 +96,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    # Rollout backend by name (hybrid_rl/rollout/backends.py): vllm.
+    # Rollout backend by name (hybrid_rl/rollout/backends.py): vllm | hf (transformers generate).
     backend: str = "vllm"
     # The rollout engine's weights/compute dtype (float32 | bfloat16); weights are cast to it
     # on every sync. Independent of the trainer's fp32 master weights.
@@ -105,7 +108,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     block_size: int = 32
     enable_prefix_caching: bool = True
-    enforce_eager: bool = True
+    # null = auto: eager on CPU, CUDA graphs on CUDA.
+    enforce_eager: bool | None = None
     max_num_seqs: int = 256
     # vLLM tensor parallel size (CUDA, external_launcher); 1 = each rank has its own engine.
     tensor_parallel_size: int = 1
@@ -152,6 +156,10 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     # Move optimizer state off the accelerator while rolling out (CUDA only; CPU has nowhere to go).
     offload_optimizer: bool = True
+    # Gradient accumulation over micro-batches: "sharded" reduce-scatters after every micro-batch
+    # (each rank keeps 1/N of the gradient) or "unsharded" once after the last (every rank holds
+    # the full fp32 gradient for the whole accumulation: fewer collectives, N x the memory).
+    grad_accumulation: str = "sharded"
 
 
 @dataclass

@@ -11,32 +11,68 @@ from torch import nn
 
 from hybrid_rl.dist import DistContext
 from hybrid_rl.engine.fsdp import MASTER_DTYPE, FSDPEngine, OptimConfig, to_dtype
+from hybrid_rl.engine.sharded_init import checkpoint_files, load_sharded, params_on_meta
 from hybrid_rl.errors import ModelPathError
 
 
+def _attn(attn_implementation: str, device: torch.device) -> str:
+    """SDPA on CPU, flash-attn on CUDA when installed (``auto``); else as configured."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
 def load_hf_causal_lm(
-    path: str, dtype: torch.dtype, attn_implementation: str, device: torch.device, trust_remote_code: bool = False
+    path: str,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    on_meta: bool = False,
 ) -> nn.Module:
-    """``AutoModelForCausalLM`` from a local folder; SDPA on CPU, flash-attn on CUDA when installed."""
-    from transformers import AutoModelForCausalLM
+    """``AutoModelForCausalLM`` from a local folder; with ``on_meta`` only its structure (parameters
+    on the meta device, filled later shard by shard: :mod:`hybrid_rl.engine.sharded_init`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if attn_implementation == "auto":
-        attn_implementation = "sdpa"
-        if device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-
-                attn_implementation = "flash_attention_2"
-            except ImportError:
-                pass
+    attn = _attn(attn_implementation, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-        )
+        if on_meta:
+            checkpoint_files(path)  # a clear error now, not after sharding
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            with params_on_meta():
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+            )
     except Exception as e:
         raise ModelPathError(f"model.path={path!r}: cannot load the model ({type(e).__name__}: {e})") from e
     model.config.use_cache = False
     return model
+
+
+def _shard_loader(path: str, key_of, missing: dict | None = None):
+    """``FSDPEngine(load_shards=...)``: read this rank's rows of every parameter from ``path``."""
+    return lambda module: load_sharded(module, path, key_of, missing)
+
+
+def _seeded_normal(std: float, seed: int = 0):
+    """A fresh head's init, the same on every rank (each keeps its own rows)."""
+
+    def init(name: str, shape: torch.Size) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(tuple(shape), generator=g, dtype=MASTER_DTYPE) * std
+
+    return init
 
 
 def build_policy_engine(
@@ -47,7 +83,8 @@ def build_policy_engine(
 
     # fp32 master weights always (bf16 masters with bf16 Adam state lose most small updates);
     # actor.param_dtype sets the compute dtype through FSDP2's mixed-precision policy.
-    lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
+    sharded = model_cfg.sharded_init
+    lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code, sharded)
     if trainable and actor_cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return FSDPEngine(
@@ -58,6 +95,8 @@ def build_policy_engine(
         max_tokens_per_micro=actor_cfg.max_tokens_per_micro,
         param_dtype=to_dtype(actor_cfg.param_dtype),
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
+        load_shards=_shard_loader(path, lambda n: n.removeprefix("lm.")) if sharded else None,
+        grad_accumulation=actor_cfg.grad_accumulation,
     )
 
 
@@ -65,8 +104,10 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
     """A critic initialised from the policy checkpoint's body with a zero-initialised value head."""
     from hybrid_rl.engine.heads import ValueModule
 
-    lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code)
+    sharded = model_cfg.sharded_init
+    lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code, sharded)
     module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing).to(MASTER_DTYPE)
+    zeros = {"value_head.weight": lambda n, shape: torch.zeros(shape), "value_head.bias": lambda n, shape: torch.zeros(shape)}
     optim = OptimConfig(
         lr=critic_cfg.lr,
         weight_decay=actor_cfg.weight_decay,
@@ -86,19 +127,35 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
         param_dtype=to_dtype(actor_cfg.param_dtype),
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
         name_prefix="body.",
+        load_shards=_shard_loader(path, lambda n: "model." + n.removeprefix("body."), zeros) if sharded else None,
+        grad_accumulation=actor_cfg.grad_accumulation,
     )
 
 
 def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int, trainable: bool) -> FSDPEngine:
     """An HF sequence-classification model with one label, FSDP2-sharded; a fresh score head when
     ``path`` is a causal LM (the SFT model)."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from hybrid_rl.engine.heads import RewardModule
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=MASTER_DTYPE, attn_implementation="sdpa", trust_remote_code=cfg.model.trust_remote_code
-    )
+    sharded, trc = cfg.model.sharded_init, cfg.model.trust_remote_code
+    try:
+        if sharded:
+            checkpoint_files(path)
+            config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trc)
+            with params_on_meta():
+                model = AutoModelForSequenceClassification.from_config(
+                    config, dtype=MASTER_DTYPE, attn_implementation="sdpa", trust_remote_code=trc
+                )
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=MASTER_DTYPE, attn_implementation="sdpa", trust_remote_code=trc
+            )
+    except Exception as e:
+        raise ModelPathError(f"reward model {path!r}: cannot load it ({type(e).__name__}: {e})") from e
+    # A causal LM's checkpoint has no score head: a fresh one (HF's init, seeded, the same on every rank).
+    fresh = {"rm.score.weight": _seeded_normal(getattr(model.config, "initializer_range", 0.02))}
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     a = cfg.actor
     return FSDPEngine(
@@ -109,4 +166,6 @@ def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int,
         param_dtype=to_dtype(a.param_dtype),
         reduce_dtype=to_dtype(a.reduce_dtype),
         name_prefix="rm.",
+        load_shards=_shard_loader(path, lambda n: n.removeprefix("rm."), fresh) if sharded else None,
+        grad_accumulation=a.grad_accumulation,
     )

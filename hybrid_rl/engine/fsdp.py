@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
 from hybrid_rl.engine.heads import Sampling
+from hybrid_rl.engine.sharded_init import has_meta_params, materialize
 
 DTYPES = {
     "float32": torch.float32,
@@ -126,16 +127,30 @@ class FSDPEngine:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
         name_prefix: str = "lm.",
+        load_shards: Callable[[nn.Module], dict[str, int]] | None = None,
+        grad_accumulation: str = "sharded",
     ) -> None:
+        if grad_accumulation not in ("sharded", "unsharded"):
+            raise ValueError(f"actor.grad_accumulation must be 'sharded' or 'unsharded', got {grad_accumulation!r}")
         self.ctx = ctx
+        self.grad_accumulation = grad_accumulation
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro = max_tokens_per_micro
         self.name_prefix = name_prefix
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        module.to(ctx.device)
+        meta = has_meta_params(module)
+        if not meta:
+            module.to(ctx.device)  # the old path: every rank holds the full model until it is sharded
         for layer in module.decoder_layers():
             fully_shard(layer, mp_policy=mp)
         fully_shard(module, mp_policy=mp)
+        self.load_stats: dict[str, int] = {}
+        if meta:
+            # Sharded init (engine/sharded_init.py): allocate this rank's shards, read their rows.
+            if load_shards is None:
+                raise ValueError("a module with meta parameters needs load_shards to fill them")
+            materialize(module, ctx.device)
+            self.load_stats = load_shards(module)
         self.module = module
         self.optim_cfg = optim
         self.optimizer: torch.optim.Optimizer | None = None
@@ -200,7 +215,11 @@ class FSDPEngine:
         sums: dict[str, float] = {}
         total_loss, total_weight = 0.0, 0.0
         for i, mb in enumerate(mbs):
-            self.module.set_requires_gradient_sync(i == len(mbs) - 1)
+            # sharded: reduce-scatter after every micro-batch, so only this rank's gradient shard
+            # accumulates (1/N of the gradient bytes; one collective per micro-batch).
+            # unsharded: skip the reduce-scatter until the last micro-batch; every rank keeps the
+            # full, unsharded gradient for the whole accumulation (fewer collectives, N x memory).
+            self.module.set_requires_gradient_sync(self.grad_accumulation == "sharded" or i == len(mbs) - 1)
             out = self._forward(mb, temperature)
             loss, metrics = loss_fn(out, mb.to(self.ctx.device))
             (loss * self.ctx.world_size).backward()
@@ -281,6 +300,28 @@ class FSDPEngine:
 
     def reload_optimizer(self) -> int:
         return self._move_optimizer(self.ctx.device)
+
+    def offload_params(self) -> int:
+        """Move this rank's parameter shards to host memory (a reference or critic while the
+        engine generates); returns bytes moved (0 on CPU)."""
+        return self._move_params(torch.device("cpu"))
+
+    def reload_params(self) -> int:
+        return self._move_params(self.ctx.device)
+
+    def _move_params(self, device: torch.device) -> int:
+        if self.ctx.device.type == "cpu":
+            return 0
+        moved = 0
+        for p in self.module.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.device != device:
+                moved += local.numel() * local.element_size()
+        if moved:
+            self.module.to(device)  # FSDP2 re-registers its sharded parameters after _apply
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return moved
 
     def _move_optimizer(self, device: torch.device) -> int:
         if self.optimizer is None or self.ctx.device.type == "cpu":

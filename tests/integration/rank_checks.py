@@ -43,10 +43,10 @@ def fixed_batch():
     return samples
 
 
-def gradients(ctx, path: str, mode: str) -> dict[str, list[float]]:
+def gradients(ctx, path: str, mode: str, accumulation: str = "sharded") -> dict[str, list[float]]:
     """The gradient the engine's own ``train_batch`` (micro-batching, accumulation, rank scaling)
     hands the optimizer, gathered from the shards; no clipping so nothing rescales it."""
-    ac = ActorConfig(micro_batch_size=2, grad_clip=0.0, packing=False)
+    ac = ActorConfig(micro_batch_size=2, grad_clip=0.0, packing=False, grad_accumulation=accumulation)
     actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ac, ctx, 10)
     samples = fixed_batch()
     per = len(samples) // ctx.world_size
@@ -67,6 +67,45 @@ def gradients(ctx, path: str, mode: str) -> dict[str, list[float]]:
     actor.optimizer.step = capture_then_step
     actor.train_batch(batch, make_actor_loss(AlgorithmConfig(loss_agg_mode=mode)))
     return out
+
+
+def sharded_init(ctx, path: str) -> dict[str, float]:
+    """Policy, critic and reward model built on the meta device and filled shard by shard: the
+    gathered parameters equal the checkpoint's tensors (and the old full-load path's)."""
+    from safetensors.torch import load_file
+
+    from hybrid_rl.config import CriticConfig
+    from hybrid_rl.engine.builders import build_reward_engine, build_value_engine
+
+    file = load_file(f"{path}/model.safetensors")
+    ac, mc = ActorConfig(packing=False), ModelConfig(attn_implementation="sdpa", sharded_init=True)
+    report = {}
+    engines = {
+        "policy": (build_policy_engine(path, mc, ac, ctx, 10), lambda n: n.removeprefix("lm.")),
+        "critic": (build_value_engine(path, mc, CriticConfig(), ac, ctx, 10), lambda n: "model." + n.removeprefix("body.")),
+        "reward": (build_reward_engine(path, SimpleNamespace(model=mc, actor=ac), ctx, 1, False), lambda n: n.removeprefix("rm.")),
+    }
+    old = build_policy_engine(path, ModelConfig(attn_implementation="sdpa", sharded_init=False), ac, ctx, 10)
+    old_params = {n: p.full_tensor() for n, p in old.module.named_parameters()}
+    for kind, (engine, key) in engines.items():
+        worst, rows = 0.0, 0
+        for name, p in engine.module.named_parameters():
+            full = p.full_tensor()
+            rows += p.to_local().shape[0] if p.dim() else 1
+            if key(name) in file:
+                worst = max(worst, float((full - file[key(name)].float()).abs().max()))
+                if kind == "policy":
+                    worst = max(worst, float((full - old_params[name]).abs().max()))
+            elif "value_head" in name:
+                worst = max(worst, float(full.abs().max()))  # zero-initialised
+        report[f"{kind}_max_abs_diff"] = worst
+        report[f"{kind}_local_rows"] = rows
+        report[f"{kind}_loaded_tensors"] = engine.load_stats.get("tensors", 0)
+    # The fresh reward head is the same on every rank (seeded), not one init per rank.
+    score = dict(engines["reward"][0].module.named_parameters())["rm.score.weight"].full_tensor()
+    report["reward_head_norm"] = float(score.norm())
+    report["reward_head_rank_spread"] = max(all_gather_objects(float(score.sum()))) - min(all_gather_objects(float(score.sum())))
+    return report
 
 
 def kl_controller(ctx) -> list[float]:
@@ -91,6 +130,8 @@ def main() -> None:
     ctx = init_distributed("cpu")
     path = str(tiny_model_path("micro"))
     report = {"world_size": ctx.world_size, "grads": {m: gradients(ctx, path, m) for m in LOSS_AGG_MODES}}
+    report["grads_unsharded_accumulation"] = gradients(ctx, path, "token-mean", "unsharded")
+    report["sharded_init"] = sharded_init(ctx, path)
     report["kl_coef_per_rank"] = kl_controller(ctx)
     if ctx.rank == 0:
         with open(out_path, "w") as fh:
