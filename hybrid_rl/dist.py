@@ -54,7 +54,9 @@ def init_distributed(device_kind: str = "auto", timeout_s: int = 600) -> DistCon
     device = resolve_device(device_kind)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # On CUDA: NCCL for device tensors and gloo for the small host-tensor collectives (metric
+    # sums, micro-batch counts, stop flags), which NCCL alone refuses.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:

@@ -4,6 +4,8 @@ The order is code, each phase under a timer with a memory reading:
 
 to_rollout:
     1. offload_optimizer  - optimizer state to host (CUDA; on CPU there is nowhere to move it)
+       offload_idle       - the reference's and critic's parameters and the critic's optimizer
+                            state to host (CUDA): the rollout needs none of them
     2. wake_weights       - re-allocate vLLM's weight memory (CUDA sleep mode, tag "weights")
     3. sync_weights       - stream parameters out of the shards (``DTensor.full_tensor()``,
                             bucketed by bytes) into the engine's in-place loader
@@ -21,6 +23,9 @@ to_rollout:
 to_train:
     1. sleep_engine       - free the KV cache and offload (level 1) or drop (level 2) weights
     2. reload_optimizer   - optimizer state back to the device
+       reload_idle        - reference and critic back to the device
+
+Every report lists the bytes each item moved (``moved_bytes``).
 
 On CPU vLLM has no sleep mode: the KV cache stays allocated and vLLM keeps its own (repacked)
 copy of the weights, so to_train frees nothing; the switch reports ``freed=False`` and the
@@ -67,6 +72,18 @@ class ShardedWeights(Protocol):
     def reload_optimizer(self) -> int: ...
 
 
+class IdleEngine(Protocol):
+    """An engine the rollout does not use (reference, critic): offloaded while generating."""
+
+    def offload_params(self) -> int: ...
+
+    def reload_params(self) -> int: ...
+
+    def offload_optimizer(self) -> int: ...
+
+    def reload_optimizer(self) -> int: ...
+
+
 @dataclass
 class SwitchReport:
     direction: str
@@ -75,6 +92,9 @@ class SwitchReport:
     weights_version: int
     freed: bool = False
     notes: list[str] = field(default_factory=list)
+    # Bytes moved to host (to_rollout) or back (to_train) per item: "actor.optimizer",
+    # "ref.params", "critic.params", "critic.optimizer" (0 where there is no separate device memory).
+    moved_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -94,8 +114,12 @@ class HybridSwitch:
         sleep_level: int = 1,
         device: torch.device | None = None,
         offload_optimizer: bool = True,
+        idle: dict[str, IdleEngine] | None = None,
     ) -> None:
         self.trainer = trainer
+        # Engines the rollout does not need (reference, critic): parameters and optimizer state
+        # go to host memory while generating, back before training (CUDA; no-ops on CPU).
+        self.idle = {k: v for k, v in (idle or {}).items() if v is not None}
         self.rollout = rollout
         self.sync_dtype = sync_dtype
         self.bucket_bytes = bucket_bytes
@@ -121,12 +145,19 @@ class HybridSwitch:
         keeps its old weights, so the next update must fail with :class:`StaleWeightsError`.
         """
         timer = PhaseTimer("switch", self.device)
-        notes = []
+        notes: list[str] = []
+        moved: dict[str, int] = {}
         with timer.phase("offload_optimizer"):
             if not self.offload_optimizer_state:
                 notes.append("optimizer state stays in device memory (actor.offload_optimizer=false)")
-            elif self.trainer.offload_optimizer() == 0:
-                notes.append("optimizer state stays in place (host memory already)")
+            else:
+                moved["actor.optimizer"] = self.trainer.offload_optimizer()
+                if moved["actor.optimizer"] == 0:
+                    notes.append("optimizer state stays in place (host memory already)")
+        with timer.phase("offload_idle"):
+            for name, engine in self.idle.items():
+                moved[f"{name}.params"] = engine.offload_params()
+                moved[f"{name}.optimizer"] = engine.offload_optimizer()
         sleeping = self.rollout.supports_sleep and self.mode == "train"
         with timer.phase("wake_weights"):
             if sleeping:
@@ -145,7 +176,7 @@ class HybridSwitch:
         if skip_sync:
             notes.append(f"weight sync skipped (fault injection): engine holds version {self.engine_version}")
         self.mode = "rollout"
-        return self._report("to_rollout", timer, freed=False, notes=notes)
+        return self._report("to_rollout", timer, freed=False, notes=notes, moved=moved)
 
     def to_train(self) -> SwitchReport:
         """Release what the engine holds (where the platform can) and bring the optimizer back."""
@@ -156,11 +187,16 @@ class HybridSwitch:
         if not freed:
             kv = self.rollout.memory_report().get("kv_cache_bytes", 0)
             notes.append(f"engine has no sleep mode here: KV cache ({kv / 2**20:.0f} MiB) and vLLM's weights stay resident")
+        moved: dict[str, int] = {}
         with timer.phase("reload_optimizer"):
             if self.offload_optimizer_state:
-                self.trainer.reload_optimizer()
+                moved["actor.optimizer"] = self.trainer.reload_optimizer()
+        with timer.phase("reload_idle"):
+            for name, engine in self.idle.items():
+                moved[f"{name}.params"] = engine.reload_params()
+                moved[f"{name}.optimizer"] = engine.reload_optimizer()
         self.mode = "train"
-        return self._report("to_train", timer, freed=freed, notes=notes)
+        return self._report("to_train", timer, freed=freed, notes=notes, moved=moved)
 
     def check_version(self, rollout_version: int, max_staleness: int = 0) -> None:
         """Refuse to train on rollouts from weights more than ``max_staleness`` versions old."""
@@ -172,7 +208,9 @@ class HybridSwitch:
                 "a weight sync was skipped or a stale rollout was reused"
             )
 
-    def _report(self, direction: str, timer: PhaseTimer, freed: bool, notes: list[str]) -> SwitchReport:
-        report = SwitchReport(direction, dict(timer.seconds), dict(timer.memory), self.weights_version, freed, notes)
+    def _report(
+        self, direction: str, timer: PhaseTimer, freed: bool, notes: list[str], moved: dict[str, int]
+    ) -> SwitchReport:
+        report = SwitchReport(direction, dict(timer.seconds), dict(timer.memory), self.weights_version, freed, notes, moved)
         self.history.append(report)
         return report

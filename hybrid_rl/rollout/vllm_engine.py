@@ -111,7 +111,8 @@ class VLLMRollout:
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             seed=seed,
-            enforce_eager=cfg.enforce_eager,
+            # auto (null): eager on CPU, CUDA graphs on CUDA.
+            enforce_eager=(not on_cuda) if cfg.enforce_eager is None else cfg.enforce_eager,
             block_size=cfg.block_size,
             max_model_len=max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,

@@ -261,6 +261,8 @@ class RLTrainer:
         for k, v in last.items():
             m[f"memory/after_{report.direction}/{k}"] = v
         m[f"switch/{report.direction}/freed"] = float(report.freed)
+        for k, v in report.moved_bytes.items():
+            m[f"switch/{report.direction}/moved_mib/{k}"] = v / 2**20
         return m
 
     def throughput(self, rollout: Rollout, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
