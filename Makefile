@@ -6,7 +6,7 @@ RECIPE ?= grpo_math
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slurm lint soak gpu-check bench compare clean
+.PHONY: setup demo test test-all test-slurm lint soak gpu-check gpu-wheels bench compare clean
 
 setup:
 	bash scripts/setup_env.sh $(VENV) dev
@@ -28,9 +28,13 @@ test-slurm: setup
 soak: setup
 	$(PY) -m pytest -m slow -s $(PYTEST_ARGS)
 
-# On a GPU node: the CUDA tests and the GPU benchmarks in one run (benchmarks/gpu_check.sh).
-gpu-check: setup
+# The GPU check (benchmarks/gpu_check.sh): runs with the machine's own python3 where there is no
+# .venv (the lent GPU has torch + transformers only; `make gpu-wheels` here builds what it lacks).
+gpu-check:
 	bash benchmarks/gpu_check.sh
+
+gpu-wheels:
+	bash scripts/gpu_wheels.sh
 
 lint: setup
 	$(PY) -m ruff check hybrid_rl tests benchmarks
