@@ -8,7 +8,9 @@ eight copies at once). Peak host memory while loading is one rank's shard plus o
 Only parameters go to the meta device; buffers (rotary ``inv_freq`` ...) are computed on the host
 at construction as usual and restored after ``to_empty``. FSDP2 shards dim 0 the way
 ``torch.chunk`` does (rank r holds rows ``[r*c, (r+1)*c)`` with ``c = ceil(rows / world)``, the
-last ranks fewer or none); the global offset comes from the DTensor's own placement.
+last ranks fewer or none); the global offset comes from the DTensor's own placement. The rows
+are read with ``pread`` straight into the shard (:class:`SafetensorsRows`), not through an mmap
+(mapped pages count in a process's RSS: a rank would look as if it held the file).
 """
 
 from __future__ import annotations
@@ -67,6 +69,67 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
+# safetensors dtype names -> torch dtypes (the format's own spelling).
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsRows:
+    """Reads row ranges of tensors from one safetensors file with ``pread`` into the caller's
+    buffer: no mmap, so a rank's resident memory grows by its own rows only (``safe_open``'s
+    slices map the file, and every page touched counts in the process's RSS).
+
+    Format (safetensors' spec): an 8-byte little-endian header length, a JSON header
+    ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data, row-major.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import os
+        import struct
+
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header = {k: v for k, v in json.loads(os.pread(self.fd, n, 8)).items() if k != "__metadata__"}
+        self.base = 8 + n
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.header[key]["shape"])
+
+    def read_rows(self, key: str, start: int, stop: int, out: Tensor) -> int:
+        """Rows ``[start, stop)`` of ``key`` into ``out`` (any dtype: cast after reading). Returns bytes read."""
+        import os
+
+        meta = self.header[key]
+        dtype = ST_DTYPES[meta["dtype"]]
+        shape = meta["shape"]
+        row = dtype.itemsize
+        for d in shape[1:]:
+            row *= d
+        if not shape:
+            start, stop, row = 0, 1, dtype.itemsize
+        nbytes = (stop - start) * row
+        same = out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu"
+        buf = out if same else torch.empty(out.shape, dtype=dtype)
+        view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if nbytes else None
+        done, offset = 0, self.base + meta["data_offsets"][0] + start * row
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: short read of {key} ({done} of {nbytes} bytes)")
+            done += got
+        if not same:
+            out.copy_(buf)
+        return nbytes
+
+    def close(self) -> None:
+        import os
+
+        os.close(self.fd)
+
+
 def _rows(param: Tensor) -> tuple[Tensor, int]:
     """This rank's local tensor of a parameter and the global index of its first row."""
     if not isinstance(param, DTensor):
@@ -99,31 +162,32 @@ def load_sharded(
     the parameters the checkpoint lacks (anything else missing is an error naming it). Returns
     ``{"tensors": read, "bytes_read": ..., "initialised": ...}``.
     """
-    from safetensors import safe_open
-
     files = checkpoint_files(path)
     missing = missing or {}
     stats = {"tensors": 0, "bytes_read": 0, "initialised": 0}
     with ExitStack() as stack:
-        handles: dict[Path, object] = {}
+        readers: dict[Path, SafetensorsRows] = {}
         for name, param in module.named_parameters():
             local, start = _rows(param)
             stop = start + (local.shape[0] if local.dim() else 1)
             key = key_of(name)
             if key in files:
                 f = files[key]
-                if f not in handles:
-                    handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                sl = handles[f].get_slice(key)
-                shape = tuple(sl.get_shape())
+                if f not in readers:
+                    readers[f] = SafetensorsRows(f)
+                    stack.callback(readers[f].close)
+                shape = readers[f].shape(key)
                 if shape != tuple(param.shape):
                     raise ValueError(f"{path}: tensor {key} has shape {shape}, the model's {name} {tuple(param.shape)}")
                 if local.numel() == 0:
                     continue
-                rows = sl[start:stop] if local.dim() else sl[:]
-                local.copy_(rows)
+                if local.device.type == "cpu":
+                    stats["bytes_read"] += readers[f].read_rows(key, start, stop, local)
+                else:  # read into host memory, then one copy to the device
+                    host = torch.empty(local.shape, dtype=local.dtype)
+                    stats["bytes_read"] += readers[f].read_rows(key, start, stop, host)
+                    local.copy_(host, non_blocking=False)
                 stats["tensors"] += 1
-                stats["bytes_read"] += rows.numel() * rows.element_size()
             elif name in missing:
                 full = missing[name](name, param.shape)
                 if local.numel():
