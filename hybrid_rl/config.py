@@ -160,6 +160,8 @@ class ActorConfig:
     # (each rank keeps 1/N of the gradient) or "unsharded" once after the last (every rank holds
     # the full fp32 gradient for the whole accumulation: fewer collectives, N x the memory).
     grad_accumulation: str = "sharded"
+    # AdamW kernel: fused (no shard-sized temporaries in the step) | foreach (torch's default).
+    optimizer_impl: str = "fused"
 
 
 @dataclass

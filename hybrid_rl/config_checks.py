@@ -40,6 +40,7 @@ def _common(cfg: Any) -> list[str]:
         (d.max_prompt_length < 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1"),
         (act.micro_batch_size < 1, f"actor.micro_batch_size={act.micro_batch_size} must be >= 1"),
         (act.lr_schedule not in ("constant", "cosine"), f"actor.lr_schedule={act.lr_schedule!r} must be constant or cosine"),
+        (act.optimizer_impl not in ("fused", "foreach"), f"actor.optimizer_impl={act.optimizer_impl!r} must be fused or foreach"),
         (act.grad_accumulation not in ("sharded", "unsharded"),
          f"actor.grad_accumulation={act.grad_accumulation!r} must be sharded or unsharded"),
         (t.device not in ("auto", "cpu", "cuda"), f"trainer.device={t.device!r} must be auto, cpu or cuda"),

@@ -117,6 +117,7 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
         min_lr_ratio=1.0,
         total_steps=total_steps,
         grad_clip=actor_cfg.grad_clip,
+        impl=actor_cfg.optimizer_impl,
     )
     return FSDPEngine(
         module,
