@@ -57,7 +57,11 @@ def evaluate(
     """
     shard_rank, shard_size = shard or (ctx.rank, ctx.world_size)
     mine = records[shard_rank::shard_size]
-    base = ["n", "hits", "score", "passk", "meank"]
+    # Per difficulty level where records have one (extra_info.level: the synthetic task's):
+    # the same keys on every rank, from the whole held-out list.
+    levels = sorted({lv for r in records if (lv := level_of(r)) is not None})
+    per_level = [f"{k}_level{lv}" for lv in levels for k in ("n", "hits", "meank")]
+    base = ["n", "hits", "score", "passk", "meank", *per_level]
     sums = dict.fromkeys(base, 0.0)
     extra: dict[str, float] = {}
     if mine:
@@ -66,6 +70,10 @@ def evaluate(
         sums["n"] = len(mine)
         sums["hits"] = sum(correct(s[0], accuracy_fn) for s in scored)
         sums["score"] = sum(s[0].score for s in scored)
+        for r, s in zip(mine, scored, strict=True):
+            if (lv := level_of(r)) is not None:
+                sums[f"n_level{lv}"] += 1
+                sums[f"hits_level{lv}"] += correct(s[0], accuracy_fn)
         if pass_k > 0:
             # One seed per held-out prompt (its global index): siblings of different prompts
             # draw independent noise, and the figure does not depend on the number of ranks.
@@ -75,6 +83,9 @@ def evaluate(
             scored_k = score_texts(pool, mine, texts_k)
             sums["passk"] = sum(any(correct(s, accuracy_fn) for s in group) for group in scored_k)
             sums["meank"] = sum(sum(correct(s, accuracy_fn) for s in group) / pass_k for group in scored_k)
+            for r, group in zip(mine, scored_k, strict=True):
+                if (lv := level_of(r)) is not None:
+                    sums[f"meank_level{lv}"] += sum(correct(s, accuracy_fn) for s in group) / pass_k
     keys = base + sorted(extra)
     # Every rank must pass the same keys: the sampler reports the same stats on every rank.
     totals = dict(zip(keys, all_reduce_sum([(sums | extra).get(k, 0.0) if count else 0.0 for k in keys]), strict=True))
@@ -84,4 +95,16 @@ def evaluate(
     if pass_k > 0:
         out[f"val/pass@{pass_k}"] = totals["passk"] / n
         out[f"val/mean@{pass_k}"] = totals["meank"] / n
+    for lv in levels:
+        n_lv = max(totals[f"n_level{lv}"], 1.0)
+        out[f"val/accuracy_level{lv}"] = totals[f"hits_level{lv}"] / n_lv
+        if pass_k > 0:
+            out[f"val/mean@{pass_k}_level{lv}"] = totals[f"meank_level{lv}"] / n_lv
     return out
+
+
+def level_of(record: Any) -> int | None:
+    """A held-out record's difficulty level (``extra_info.level``), if it has an integer one."""
+    info = getattr(record, "extra_info", None) or {}
+    lv = info.get("level") if isinstance(info, dict) else None
+    return int(lv) if isinstance(lv, int | float) and not isinstance(lv, bool) else None
