@@ -117,6 +117,9 @@ class RolloutConfig:
     sleep_level: int = 1
     # Weight sync: gather at most this many MiB of full tensors before handing them over.
     sync_bucket_mb: int = 64
+    # Weight-sync gather: auto (shm on CPU when all ranks share a host, else collective) |
+    # collective (one flat all-gather per bucket on gloo/NCCL) | shm (/dev/shm between local ranks).
+    sync_transport: str = "auto"
     # Validation sampling: greedy pass@1 always; pass@k with this k at `temperature` (0 = off).
     val_pass_k: int = 0
     agent: AgentConfig = field(default_factory=AgentConfig)

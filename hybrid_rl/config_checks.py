@@ -40,6 +40,8 @@ def _common(cfg: Any) -> list[str]:
         (d.max_prompt_length < 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1"),
         (act.micro_batch_size < 1, f"actor.micro_batch_size={act.micro_batch_size} must be >= 1"),
         (act.lr_schedule not in ("constant", "cosine"), f"actor.lr_schedule={act.lr_schedule!r} must be constant or cosine"),
+        (cfg.rollout.sync_transport not in ("auto", "collective", "shm"),
+         f"rollout.sync_transport={cfg.rollout.sync_transport!r} must be auto, collective or shm"),
         (act.optimizer_impl not in ("fused", "foreach"), f"actor.optimizer_impl={act.optimizer_impl!r} must be fused or foreach"),
         (act.grad_accumulation not in ("sharded", "unsharded"),
          f"actor.grad_accumulation={act.grad_accumulation!r} must be sharded or unsharded"),

@@ -14,6 +14,8 @@ over micro-batches and ranks then equals the gradient of the global loss.
 from __future__ import annotations
 
 import math
+import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +173,8 @@ class FSDPEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
         else:
             module.requires_grad_(False)
+        self._transport: str | None = None  # weight-sync transport, decided once (auto_transport)
+        self._sync_state: dict = {}  # the shared-memory ring, kept between pushes
         self.step_count = 0
         self.skipped_steps = 0
         self.consecutive_bad_steps = 0
@@ -269,27 +273,34 @@ class FSDPEngine:
             name = name.replace(junk, "")
         return name[len(self.name_prefix) :] if name.startswith(self.name_prefix) else name
 
-    def iter_full_params(self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
-        """Stream ``(hf_name, full_tensor)`` pairs out of the shards, a bucket at a time.
+    def iter_full_params(
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None, transport: str = "auto"
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Stream ``(hf_name, full_tensor)`` pairs out of the shards, a flat bucket at a time.
 
-        Collective: every rank must consume the iterator fully, in the same order. Each
-        parameter's local shard is cast to ``dtype`` first (half the bytes on the wire for
-        bf16), then all-gathered with ``DTensor.full_tensor()``. At most ``bucket_bytes`` of
-        gathered tensors are alive at once (plus the consumer's copy), never the whole model.
+        Collective: every rank must consume the iterator fully, in the same order. Each shard is
+        cast to ``dtype`` first (half the bytes on the wire for bf16); a bucket of about
+        ``bucket_bytes`` goes in one all-gather (``collective``: gloo/NCCL, one bucket in flight
+        ahead of the consumer) or through shared memory between the ranks of one host (``shm``);
+        ``auto`` picks shm on CPU when every rank is on this host. See :mod:`hybrid_rl.engine.gather`.
         """
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
-        for name, param in self.module.named_parameters():
-            t = param.detach()
-            if dtype is not None and t.dtype != dtype:
-                t = t.to(dtype)
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            bucket.append((self.hf_name(name), full))
-            size += full.numel() * full.element_size()
-            if size >= bucket_bytes:
-                yield from bucket
-                bucket, size = [], 0
-        yield from bucket
+        from hybrid_rl.engine.gather import iter_full_params
+
+        if transport == "auto":
+            transport = self.auto_transport()
+        named = [(self.hf_name(n), p) for n, p in self.module.named_parameters()]
+        yield from iter_full_params(named, bucket_bytes, dtype, transport, self._sync_state)
+
+    def auto_transport(self) -> str:
+        """shm when training on CPU with every rank on this host, else the process group's collective."""
+        if self._transport is None:
+            self._transport = "collective"
+            if self.ctx.device.type == "cpu" and self.ctx.world_size > 1 and os.path.isdir("/dev/shm"):
+                from hybrid_rl.dist import all_gather_objects
+
+                if len(set(all_gather_objects(socket.gethostname()))) == 1:
+                    self._transport = "shm"
+        return self._transport
 
     def param_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the full (unsharded) parameters, at ``dtype`` if given."""

@@ -7,8 +7,9 @@ to_rollout:
        offload_idle       - the reference's and critic's parameters and the critic's optimizer
                             state to host (CUDA): the rollout needs none of them
     2. wake_weights       - re-allocate vLLM's weight memory (CUDA sleep mode, tag "weights")
-    3. sync_weights       - stream parameters out of the shards (``DTensor.full_tensor()``,
-                            bucketed by bytes) into the engine's in-place loader
+    3. sync_weights       - stream parameters out of the shards (one flat all-gather per
+                            bucket, the next bucket in flight, or shared memory between the
+                            ranks of a host; engine/gather.py) into the engine's in-place loader
     4. wake_kv_cache      - re-allocate the KV cache (tag "kv_cache") after the weights, so
                             the gathered tensors are freed before the cache comes back
     5. reset_prefix_cache - cached prompt KV was computed with the old weights
@@ -65,7 +66,7 @@ def trim_host_heap() -> None:
 class ShardedWeights(Protocol):
     """What the switch needs from the training engine."""
 
-    def iter_full_params(self, bucket_bytes: int = ..., dtype: torch.dtype | None = ...): ...
+    def iter_full_params(self, bucket_bytes: int = ..., dtype: torch.dtype | None = ..., transport: str = ...): ...
 
     def offload_optimizer(self) -> int: ...
 
@@ -115,7 +116,9 @@ class HybridSwitch:
         device: torch.device | None = None,
         offload_optimizer: bool = True,
         idle: dict[str, IdleEngine] | None = None,
+        transport: str = "auto",
     ) -> None:
+        self.transport = transport  # rollout.sync_transport: auto | collective | shm
         self.trainer = trainer
         # Engines the rollout does not need (reference, critic): parameters and optimizer state
         # go to host memory while generating, back before training (CUDA; no-ops on CPU).
@@ -164,7 +167,7 @@ class HybridSwitch:
                 self.rollout.wake_up(["weights"])
         with timer.phase("sync_weights"):
             if not skip_sync:
-                self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype))
+                self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype, self.transport))
                 self.engine_version = self.weights_version
         with timer.phase("wake_kv_cache"):
             if sleeping:

@@ -181,6 +181,7 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     switch = HybridSwitch(
         actor, engine, sync_dtype=to_dtype(r.dtype), bucket_bytes=r.sync_bucket_mb << 20, sleep_level=r.sleep_level,
         device=ctx.device, offload_optimizer=cfg.actor.offload_optimizer, idle={"ref": ref, "critic": critic},
+        transport=r.sync_transport,
     )  # fmt: skip
     pool = RewardPool(cfg.reward)
     # Held-out accuracy is always the verifier's, whatever the training reward is.

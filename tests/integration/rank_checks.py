@@ -108,6 +108,29 @@ def sharded_init(ctx, path: str) -> dict[str, float]:
     return report
 
 
+def gather_transports(ctx, path: str) -> dict[str, float]:
+    """The weight sync's gather (flat buckets; collective and shared-memory transports; buckets
+    smaller than one tensor, and all in one) against DTensor.full_tensor(), bitwise, fp32 and bf16."""
+    actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ActorConfig(packing=False), ctx, 10)
+    ref = {actor.hf_name(n): p.detach().full_tensor() for n, p in actor.module.named_parameters()}
+    out = {}
+    # After a no-grad forward FSDP2 leaves the root's parameters unsharded (plain tensors).
+    for after_forward in (False, True):
+        if after_forward:
+            actor.forward_logprobs(collate(fixed_batch(), 0))
+            out["root_unsharded"] = sum(not hasattr(p, "full_tensor") for p in actor.module.parameters())
+        for transport in ("collective", "shm"):
+            for dtype in (torch.float32, torch.bfloat16):
+                for bucket in (1, 1 << 30):
+                    got = list(actor.iter_full_params(bucket, dtype, transport))
+                    assert [n for n, _ in got] == list(ref), "names or order differ"
+                    worst = max(float((t.float() - ref[n].to(dtype).float()).abs().max()) for n, t in got)
+                    out[f"{transport}_{str(dtype)[6:]}_{bucket}_{after_forward}"] = worst
+    out["auto"] = actor.auto_transport()
+    out["odd_rows"] = sum(1 for t in ref.values() if t.dim() and t.shape[0] % 2)
+    return out
+
+
 def kl_controller(ctx) -> list[float]:
     a = SimpleNamespace(use_kl_in_reward=True, greedy_baseline=False, norm_adv_by_std=True, kl_penalty="k1")
     stub = SimpleNamespace(
@@ -132,6 +155,7 @@ def main() -> None:
     report = {"world_size": ctx.world_size, "grads": {m: gradients(ctx, path, m) for m in LOSS_AGG_MODES}}
     report["grads_unsharded_accumulation"] = gradients(ctx, path, "token-mean", "unsharded")
     report["sharded_init"] = sharded_init(ctx, path)
+    report["gather"] = gather_transports(ctx, path)
     report["kl_coef_per_rank"] = kl_controller(ctx)
     if ctx.rank == 0:
         with open(out_path, "w") as fh:

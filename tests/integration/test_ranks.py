@@ -61,3 +61,14 @@ def test_sharded_init_reads_the_checkpoint(reports):
         assert one[f"{kind}_loaded_tensors"] > 0
         assert two[f"{kind}_local_rows"] < one[f"{kind}_local_rows"]
     assert two["reward_head_rank_spread"] == 0.0 and two["reward_head_norm"] > 0
+
+
+def test_weight_sync_gather_equals_full_tensor(reports):
+    """Flat-bucket gather, over gloo and over /dev/shm, with one tensor per bucket and the whole
+    model in one: every tensor equals DTensor.full_tensor() exactly (including odd row counts
+    that leave trailing ranks short); on one host auto picks shared memory."""
+    one, two = reports[0]["gather"], reports[1]["gather"]
+    assert two["odd_rows"] > 0 and two["root_unsharded"] > 0  # both hard cases really occur
+    for rep in (one, two):
+        assert all(v == 0.0 for k, v in rep.items() if k not in ("auto", "odd_rows", "root_unsharded")), rep
+    assert two["auto"] == "shm" and one["auto"] == "collective"
