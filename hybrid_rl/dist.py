@@ -84,6 +84,15 @@ def all_reduce_sum(values: list[float], device: torch.device | None = None) -> l
     return t.tolist()
 
 
+def all_reduce_max_list(values: list[float]) -> list[float]:
+    """Element-wise max of a list of floats over ranks (one collective)."""
+    if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def all_reduce_max(value: float) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value

@@ -1,4 +1,9 @@
-"""Phase timers with memory readings: every phase of a step and of the mode switch is measured."""
+"""Phase timers with memory readings: every phase of a step and of the mode switch is measured.
+
+Each phase records the RSS after it and its peak RSS (``peak_rss_mib``: the kernel's VmHWM,
+reset when a phase starts, with nested phases folded into the enclosing ones) and, on CUDA,
+allocated / reserved / peak-allocated device memory.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,55 @@ def memory_reading(device: torch.device | None = None) -> dict[str, float]:
         out["cuda_alloc_mib"] = torch.cuda.memory_allocated(device) / 2**20
         out["cuda_reserved_mib"] = torch.cuda.memory_reserved(device) / 2**20
     return out
+
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+# Running peaks of the phases now open (innermost last): resetting the kernel's peak for an inner
+# phase must not lose the outer phases' peak so far.
+_OPEN_PEAKS: list[list[float]] = []
+
+
+def _hwm_mib() -> float | None:
+    """The process's peak RSS since the last reset (VmHWM), MiB; None where /proc lacks it."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> None:
+    """Reset VmHWM to the current RSS (Linux: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _enter_peak() -> list[float]:
+    h = _hwm_mib()
+    if h is not None:
+        for peak in _OPEN_PEAKS:
+            peak[0] = max(peak[0], h)
+    _reset_hwm()
+    box = [_hwm_mib() or 0.0]
+    _OPEN_PEAKS.append(box)
+    return box
+
+
+def _exit_peak(box: list[float]) -> float:
+    h = _hwm_mib() or 0.0
+    box[0] = max(box[0], h)
+    if box in _OPEN_PEAKS:
+        _OPEN_PEAKS.remove(box)
+    for peak in _OPEN_PEAKS:
+        peak[0] = max(peak[0], h)
+    return box[0]
 
 
 def process_stats() -> dict[str, float]:
@@ -51,16 +105,23 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if self.device is not None and self.device.type == "cuda":
+        cuda = self.device is not None and self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
+        peak = _enter_peak()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self.device is not None and self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            self.memory[name] = memory_reading(self.device)
+            reading = memory_reading(self.device)
+            # The phase's peak RSS (all of its calls this step, and what nested phases reached).
+            reading["peak_rss_mib"] = max(_exit_peak(peak), self.memory.get(name, {}).get("peak_rss_mib", 0.0))
+            if cuda:
+                reading["cuda_peak_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            self.memory[name] = reading
 
     def metrics(self) -> dict[str, float]:
         out = {f"{self.prefix}/{k}": v for k, v in self.seconds.items()}

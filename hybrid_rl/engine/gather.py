@@ -152,7 +152,7 @@ def iter_full_params(
     device = named[0][1].device
     buckets = plan_buckets(named, world, bucket_bytes, dtype.itemsize)
     if transport == "shm":
-        capacity = max(1, max(sum(e.seg for e in b) for b in buckets))
+        capacity = max([1] + [sum(e.seg for e in b) for b in buckets])
         ring = (state or {}).get("ring")
         if ring is None or ring.capacity < capacity or ring.dtype != dtype:
             ring = ShmRing(world, dist.get_rank(), capacity, dtype)

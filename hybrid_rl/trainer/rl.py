@@ -28,6 +28,7 @@ from hybrid_rl.config import validate
 from hybrid_rl.dist import (
     DistContext,
     all_reduce_max,
+    all_reduce_max_list,
     all_reduce_sum,
     barrier,
     gather_rows,
@@ -278,12 +279,15 @@ class RLTrainer:
         }
 
     def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
-        """Mean over ranks, except token counts (summed) and throughput (already global)."""
+        """Mean over ranks, except token counts (summed), throughput (already global) and memory
+        peaks (the largest rank's: the one that meets the limit first)."""
         summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
         globals_ = {k for k in m if k.endswith("tokens_per_s") or k.startswith("dapo/")}
+        peaks = sorted(k for k in m if "peak_" in k and k not in summed and k not in globals_)
         sums = dict(zip(sorted(summed), all_reduce_sum([m[k] for k in sorted(summed)]), strict=True))
-        means = mean_over_ranks({k: v for k, v in m.items() if k not in summed and k not in globals_})
-        return {**means, **sums, **{k: m[k] for k in globals_}}
+        maxes = dict(zip(peaks, all_reduce_max_list([m[k] for k in peaks]), strict=True))
+        means = mean_over_ranks({k: v for k, v in m.items() if k not in summed and k not in globals_ and k not in maxes})
+        return {**means, **sums, **maxes, **{k: m[k] for k in globals_}}
 
     # ================================================================ validation
     def validate(self) -> dict[str, float]:
