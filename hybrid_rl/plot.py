@@ -29,11 +29,15 @@ def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ..
         ax.plot(xs, ys, alpha=0.3, label=f"{key} (per step)")
         avg = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
         ax.plot(xs, avg, label=f"{key} ({window}-step mean)")
-    val_keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in ("val/n", "val/response_length")})
+    # Held-out metrics with one standard error (binomial, over val/n problems); per-level ones
+    # (val/accuracy_level2 ...) stay in the JSONL to keep the figure readable.
+    skip = ("val/n", "val/response_length", "val/score")
+    val_keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in skip and "_level" not in k})
     for key in val_keys:
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker="o", label=key)
+        pts = [(r["step"], r[key], r.get("val/n", 0.0)) for r in rows if key in r]
+        xs, ys, ns = zip(*pts, strict=True)
+        se = [(y * (1 - y) / n) ** 0.5 if n and 0 <= y <= 1 else 0.0 for y, n in zip(ys, ns, strict=True)]
+        ax.errorbar(xs, ys, yerr=se, marker="o", capsize=3, label=f"{key} (+-1 s.e.)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(title)
