@@ -34,6 +34,7 @@ CASES = {
     "split_pool": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "1"],
     "sandbox_latency": ["--runs", "4", "--concurrency", "1,2"],
     "checkpoint_cost": ["--presets", "micro", "--repeats", "1"],
+    "memory_scaling": ["--preset", "micro", "--worlds", "1,2", "--steps", "1"],
 }
 SLOW = {
     "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2"],
@@ -79,3 +80,18 @@ def test_benchmark_runs(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(SLOW))
 def test_slow_benchmark_runs(name, tmp_path):
     run(name, SLOW[name], tmp_path)
+
+
+def test_gpu_train_check_runs_on_cpu(tmp_path):
+    """The GPU check's training side (benchmarks/gpu_train_check.py) on 2 gloo ranks and the micro
+    preset: the script the lent GPU will run, kept from rotting where CI runs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "benchmarks/gpu_train_check.py"]
+    cmd += ["--out", str(tmp_path), "--device", "cpu", "--presets", "micro", "--rows", "4", "--micro-batch", "2"]
+    cmd += ["--prompt", "16", "--response", "32", "--gen-tokens", "16", "--param-dtype", "float32", "--rollout-dtype", "float32"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads((tmp_path / "gpu_train_micro.json").read_text())
+    assert "error" not in r, r.get("traceback")
+    assert r["sharded_init_max_abs_diff"] == 0.0 and r["head_max_abs_diff"] < 1e-4
+    assert r["master_dtypes"] == ["torch.float32"] and r["adam_state_dtypes"] == ["torch.float32"]
+    assert r["params_changed_fraction"] > 0.9 and r["generated_tokens"] > 0

@@ -77,7 +77,7 @@ def start(tmp_path: Path, restart: int) -> subprocess.Popen:
         "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
         "OMP_NUM_THREADS": "1",
     }
-    log = open(tmp_path / f"job-{restart}.out", "w")  # noqa: SIM115 (the job outlives this function)
+    log = open(tmp_path / f"job-{restart}.out", "w")
     return subprocess.Popen(["bash", str(SCRIPT), "grpo_math", *OVERRIDES], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
