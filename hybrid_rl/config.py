@@ -303,6 +303,9 @@ class TrainerConfig:
     # and checkpoint, then kills them (the last complete checkpoint stays); a second signal
     # kills them at once.
     shutdown_grace_s: float = 300.0
+    # Libraries the launcher preloads into the ranks (LD_PRELOAD): auto (tcmalloc + Intel OpenMP
+    # on CPU, as vLLM's CPU backend asks; nothing on CUDA) | none | tcmalloc | iomp | paths (a:b).
+    preload: str = "auto"
     # auto (latest in output_dir) | none | a checkpoint directory
     resume: str = "auto"
     # Export the final policy as an HF folder (output_dir/hf).

@@ -18,6 +18,13 @@ Why each one (measured on 2-core CPU machines, see FEASIBILITY.md in the design 
   retrying network calls for local folders.
 - ``TOKENIZERS_PARALLELISM=false``: the tokenizer's thread pool deadlocks after ``fork``.
 
+Preloaded libraries (:func:`preload_libraries`, ``trainer.preload``): vLLM's CPU backend asks for
+tcmalloc and Intel's OpenMP runtime in ``LD_PRELOAD`` (it warns "libtcmalloc is not found in
+LD_PRELOAD" otherwise). A library can only be preloaded before the process starts, so the
+launcher that starts the ranks sets it: tcmalloc from Debian's ``libtcmalloc-minimal4``
+(``scripts/setup_env.sh`` installs it), ``libiomp5.so`` from the ``intel-openmp`` wheel vLLM's
+CPU build depends on (``<venv>/lib``). Measured with and without in the README's Benchmarks.
+
 AMX tile permission (:func:`request_amx_permission`): on x86 CPUs with AMX (``amx_tile`` in
 ``/proc/cpuinfo``, Intel Sapphire Rapids and later) Linux hands a process the large AMX tile
 register state only after it asks with ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``;
@@ -92,6 +99,52 @@ def request_amx_permission(cpuinfo: str = "/proc/cpuinfo") -> str:
             f"(errno {err}); bf16 vLLM kernels would die with SIGILL. Use a kernel >= 5.16 or rollout.dtype=float32"
         )
     return "granted"
+
+
+# Where Debian and the usual distributions put them; the venv's own lib/ for Intel's OpenMP.
+_TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def preload_libraries(
+    mode: str = "auto", device: str = "auto", lib_dirs: tuple[str, ...] | None = None, prefix: str | None = None
+) -> list[str]:
+    """The shared libraries the launcher puts in the ranks' ``LD_PRELOAD``.
+
+    ``mode``: ``auto`` (tcmalloc and Intel OpenMP on CPU, whichever is installed; nothing on
+    CUDA, where vLLM asks for neither), ``none``, ``tcmalloc``, ``iomp``, or a colon-separated
+    list of library paths (each must exist). ``device`` is ``trainer.device``; ``auto`` counts as
+    CUDA where the NVIDIA driver's device node exists (torch is not imported here: the launcher
+    stays small). Returns absolute paths, in preload order.
+    """
+    import sys
+
+    from hybrid_rl.errors import ConfigError
+
+    if mode in ("none", "", None):
+        return []
+    if mode not in ("auto", "tcmalloc", "iomp"):
+        paths = [p for p in str(mode).split(":") if p]
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise ConfigError(f"trainer.preload: no such library {missing[0]!r} (use auto, none, tcmalloc, iomp or paths)")
+        return paths
+    cuda = device == "cuda" or (device == "auto" and os.path.exists("/dev/nvidiactl") and os.environ.get("HYBRID_RL_FORCE_CPU") != "1")
+    if mode == "auto" and cuda:
+        return []
+    dirs = lib_dirs if lib_dirs is not None else _LIB_DIRS
+    found: list[str] = []
+    if mode in ("auto", "tcmalloc"):
+        tc = next((os.path.join(d, n) for n in _TCMALLOC for d in dirs if os.path.isfile(os.path.join(d, n))), None)
+        if tc:
+            found.append(tc)
+    if mode in ("auto", "iomp"):
+        iomp = os.path.join(prefix if prefix is not None else sys.prefix, "lib", "libiomp5.so")
+        if os.path.isfile(iomp):
+            found.append(iomp)
+    if mode != "auto" and not found:
+        raise ConfigError(f"trainer.preload={mode}: the library is not installed (see scripts/setup_env.sh)")
+    return found
 
 
 def cache_root() -> Path:

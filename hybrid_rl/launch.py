@@ -58,9 +58,13 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment torchrun --standalone gives rank ``rank`` of ``nproc`` on this node."""
+def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None, preload: list[str] | None = None) -> dict[str, str]:
+    """The environment torchrun --standalone gives rank ``rank`` of ``nproc`` on this node, plus
+    ``preload`` (``trainer.preload``'s libraries) in front of any ``LD_PRELOAD`` already set."""
     env = dict(os.environ if base is None else base)
+    if preload:
+        have = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+        env["LD_PRELOAD"] = ":".join([*[p for p in preload if p not in have], *have])
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default",
@@ -74,8 +78,10 @@ def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = Non
 class Launcher:
     """Start ``nproc`` ranks of ``argv`` and supervise them (see the module docstring)."""
 
-    def __init__(self, nproc: int, argv: list[str], shutdown_grace_s: float, failure_grace_s: float = 10.0) -> None:
-        self.nproc, self.argv = nproc, argv
+    def __init__(
+        self, nproc: int, argv: list[str], shutdown_grace_s: float, failure_grace_s: float = 10.0, preload: list[str] | None = None
+    ) -> None:
+        self.nproc, self.argv, self.preload = nproc, argv, preload or []
         self.shutdown_grace_s, self.failure_grace_s = shutdown_grace_s, failure_grace_s
         self.procs: list[subprocess.Popen] = []
         self.signals: list[int] = []
@@ -120,7 +126,7 @@ class Launcher:
             signal.signal(sig, self.on_signal)
         cmd = [sys.executable, "-m", "hybrid_rl.main", *self.argv]
         for rank in range(self.nproc):
-            self.procs.append(subprocess.Popen(cmd, env=rank_env(rank, self.nproc, port), process_group=0))
+            self.procs.append(subprocess.Popen(cmd, env=rank_env(rank, self.nproc, port, preload=self.preload), process_group=0))
 
     def wait(self) -> int:
         first_failure: int | None = None
@@ -151,7 +157,7 @@ class Launcher:
         return bad if bad > 0 else 128 - bad  # -9 (killed by SIGKILL) -> 137
 
 
-def launch(nproc: int, argv: list[str], shutdown_grace_s: float) -> int:
-    launcher = Launcher(nproc, argv, shutdown_grace_s)
+def launch(nproc: int, argv: list[str], shutdown_grace_s: float, preload: list[str] | None = None) -> int:
+    launcher = Launcher(nproc, argv, shutdown_grace_s, preload=preload)
     launcher.start()
     return launcher.wait()

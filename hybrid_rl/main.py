@@ -62,15 +62,16 @@ def precheck_overrides(argv: list[str]) -> None:
         sys.exit(2)
 
 
-def relaunch_with_ranks(nproc: int, shutdown_grace_s: float) -> None:
+def relaunch_with_ranks(nproc: int, shutdown_grace_s: float, preload: list[str] | None = None) -> None:
     """Run ``nproc`` ranks of this same command under :mod:`hybrid_rl.launch` and exit with its
-    status (the launcher lets the ranks checkpoint on Ctrl-C / SIGTERM; see there)."""
+    status (the launcher lets the ranks checkpoint on Ctrl-C / SIGTERM; see there), with
+    ``preload`` in their ``LD_PRELOAD``."""
     from hybrid_rl.launch import launch
 
-    log.info("starting %d ranks", nproc)
+    log.info("starting %d ranks%s", nproc, f" (LD_PRELOAD {':'.join(preload)})" if preload else "")
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(launch(nproc, sys.argv[1:], shutdown_grace_s))
+    sys.exit(launch(nproc, sys.argv[1:], shutdown_grace_s, preload))
 
 
 def run(cfg: DictConfig) -> None:
@@ -99,7 +100,15 @@ def run(cfg: DictConfig) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.trainer.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        relaunch_with_ranks(cfg.trainer.nproc_per_node, cfg.trainer.shutdown_grace_s)
+        from hybrid_rl.env import preload_libraries
+        from hybrid_rl.errors import ConfigError
+
+        try:
+            preload = preload_libraries(cfg.trainer.preload, cfg.trainer.device)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            sys.exit(2)
+        relaunch_with_ranks(cfg.trainer.nproc_per_node, cfg.trainer.shutdown_grace_s, preload)
     run(cfg)
 
 

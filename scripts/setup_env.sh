@@ -15,12 +15,14 @@ if [ "${HYBRID_RL_STACK:-auto}" = "cuda" ] || { [ "${HYBRID_RL_STACK:-auto}" = "
 else
   STACK=cpu
 fi
-# The code sandbox needs bubblewrap and libseccomp2 (Debian packages); install them when we can.
-if { ! command -v bwrap >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; } \
+# The code sandbox needs bubblewrap and libseccomp2 (Debian packages); vLLM's CPU backend asks for
+# tcmalloc in LD_PRELOAD (libtcmalloc-minimal4; trainer.preload=auto uses it). Install them when we can.
+if { ! command -v bwrap >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' \
+      || ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4'; } \
     && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "[setup] installing bubblewrap and libseccomp2 (the sandbox for model-written code)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap libseccomp2 >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap libseccomp2 >/dev/null; }
+  echo "[setup] installing bubblewrap, libseccomp2 (the sandbox for model-written code) and libtcmalloc-minimal4"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap libseccomp2 libtcmalloc-minimal4 >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap libseccomp2 libtcmalloc-minimal4 >/dev/null; }
 fi
 command -v bwrap >/dev/null 2>&1 || echo "[setup] WARNING: bwrap not found; sandbox tests are skipped and agentic runs refuse to start"
 
