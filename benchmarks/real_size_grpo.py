@@ -13,7 +13,7 @@ reward that never varies would leave the update nothing to do).
 Recorded per step, from the trainer's own metrics (``memory/timing/<phase>/peak_rss_mib``: the
 kernel's VmHWM reset at each phase, max over ranks): the peak resident memory of every phase,
 the phase times, and, sampled every second by this script, the whole host's used memory.
-Writes results/real_size_grpo_<preset>_<dtype>.json and .png; the run's exit status is in the
+Writes results/real_size_grpo_<preset>_<dtype>.json and .png (or ``--name``); the run's exit status is in the
 JSON (a rank killed by the kernel's OOM killer fails the run).
 """
 
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides")
+    ap.add_argument("--name", default=None, help="results/<name>.json (default real_size_grpo_<preset>_<dtype>)")
     args = ap.parse_args()
 
     out = Path(tempfile.mkdtemp(prefix="real_size_grpo_"))
@@ -102,7 +103,7 @@ def main() -> None:
         "median_step_s": sorted(s["step_s"] for s in steps)[len(steps) // 2] if steps else None,
         "steps": steps,
     }
-    name = f"real_size_grpo_{args.preset.replace('.', '')}_{args.dtype}"
+    name = args.name or f"real_size_grpo_{args.preset.replace('.', '')}_{args.dtype}"
     write_json(name, payload)
 
     fig, (ax, ax2) = figure((10, 4), ncols=2)

@@ -37,6 +37,8 @@ CASES = {
     "memory_scaling": ["--preset", "micro", "--worlds", "1,2", "--steps", "1"],
 }
 SLOW = {
+    "real_size_grpo": ["--preset", "micro", "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--name", "real_size_grpo"],
+    "preload": ["--steps", "3", "--repeats", "1", "--modes", "none,auto", "--extra", "+overlay=ci_tiny", "model.preset=micro", "algorithm.filter_groups=false"],
     "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2"],
     "compare_algorithms": [
         "--steps",
