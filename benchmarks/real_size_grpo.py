@@ -94,6 +94,8 @@ def main() -> None:
         "settings": vars(args),
         "command": cmd,
         "returncode": p.returncode,
+        # the launcher's line, with the LD_PRELOAD it gave the ranks (trainer.preload)
+        "launcher": next((ln.split("] - ", 1)[-1] for ln in (p.stdout + p.stderr).splitlines() if "starting " in ln and " ranks" in ln), None),
         "stderr_tail": p.stderr[-3000:] if p.returncode else "",
         "wall_s": wall,
         "steps_done": len(steps),
