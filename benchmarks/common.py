@@ -6,10 +6,14 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 # HYBRID_RL_BENCH_RESULTS redirects the output (the smoke tests write to a temporary folder).
 RESULTS = Path(os.environ.get("HYBRID_RL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
@@ -56,6 +60,20 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> dict:
         fn()
         xs.append(time.perf_counter() - t)
     return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": xs}
+
+
+def run_trainer(overrides: list[str], prefix: str, timeout: float | None = None) -> tuple[subprocess.CompletedProcess, list[dict], float]:
+    """``python -m hybrid_rl.main <overrides>`` with its output in a fresh temporary folder:
+    the finished process, the rows of its metrics.jsonl (empty if none was written) and the wall
+    seconds."""
+    out = Path(tempfile.mkdtemp(prefix=prefix))
+    cmd = [sys.executable, "-m", "hybrid_rl.main", *overrides, f"trainer.output_dir={out}"]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=timeout)
+    wall = time.perf_counter() - t
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    return p, rows, wall
 
 
 def load_result(name: str) -> dict | None:

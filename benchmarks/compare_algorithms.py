@@ -13,17 +13,10 @@ results/compare_algorithms.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-from benchmarks.common import figure, machine_info, save_figure, write_json
+from benchmarks.common import figure, machine_info, run_trainer, save_figure, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = [
     "grpo_math",
     "drgrpo_math",
@@ -40,18 +33,17 @@ RECIPES = [
 
 
 def run(recipe: str, steps: int, before: bool, extra: list[str]) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"cmp-{recipe}-"))
-    cmd = [
-        sys.executable, "-m", "hybrid_rl.main", f"+recipe={recipe}", f"trainer.output_dir={out}",
-        f"trainer.total_steps={steps}", f"trainer.val_every={steps}", f"trainer.val_before_train={str(before).lower()}",
-        "trainer.save_every=0", "logger.progress_bar=false", "rollout.val_pass_k=0", *extra,
-    ]  # fmt: skip
-    t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=3600)
-    wall = time.perf_counter() - t
+    p, rows, wall = run_trainer(
+        [
+            f"+recipe={recipe}", f"trainer.total_steps={steps}", f"trainer.val_every={steps}",
+            f"trainer.val_before_train={str(before).lower()}", "trainer.save_every=0", "logger.progress_bar=false",
+            "rollout.val_pass_k=0", *extra,
+        ],
+        prefix=f"cmp-{recipe}-",
+        timeout=3600,
+    )
     if p.returncode != 0:
         return {"recipe": recipe, "error": p.stderr[-2000:]}
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
     steps_t = [r["timing/step"] for r in rows if "timing/step" in r]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]

@@ -16,28 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from benchmarks.common import figure, machine_info, save_figure, write_json
+from benchmarks.common import figure, machine_info, run_trainer, save_figure, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMES = ("step", "generate", "update", "switch_to_rollout")
 
 
 def run_once(mode: str, steps: int, extra: list[str]) -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix=f"preload_{mode}_"))
-    cmd = [
-        sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", f"trainer.preload={mode}", f"trainer.total_steps={steps}",
-        "trainer.val_every=0", "trainer.val_before_train=false", "trainer.export_hf=false", "trainer.save_every_minutes=0",
-        "logger.progress_bar=false", f"trainer.output_dir={out}", *extra,
-    ]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+    p, rows, _ = run_trainer(
+        [
+            "+recipe=grpo_math", f"trainer.preload={mode}", f"trainer.total_steps={steps}", "trainer.val_every=0",
+            "trainer.val_before_train=false", "trainer.export_hf=false", "trainer.save_every_minutes=0",
+            "logger.progress_bar=false", *extra,
+        ],
+        prefix=f"preload_{mode}_",
+    )
     if p.returncode:
         raise SystemExit(f"preload={mode} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows
 
 
 def main() -> None:

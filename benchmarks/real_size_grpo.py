@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import statistics
 import sys
-import tempfile
 import threading
-import time
-from pathlib import Path
 
-from benchmarks.common import figure, machine_info, save_figure, write_json
+from benchmarks.common import ROOT, figure, machine_info, run_trainer, save_figure, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "reward", "update", "switch_to_rollout", "switch_to_train")
 
 
@@ -56,28 +52,23 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="results/<name>.json (default real_size_grpo_<preset>_<dtype>)")
     args = ap.parse_args()
 
-    out = Path(tempfile.mkdtemp(prefix="real_size_grpo_"))
     reward = ROOT / "tests" / "e2e" / "length_reward.py"
-    cmd = [
-        sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", "model.path=builtin:tiny", f"model.preset={args.preset}",
+    overrides = [
+        "+recipe=grpo_math", "model.path=builtin:tiny", f"model.preset={args.preset}",
         f"trainer.nproc_per_node={args.ranks}", f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}",
         f"rollout.max_response_length={args.new_tokens}", f"trainer.total_steps={args.steps}", "trainer.val_every=0",
         "trainer.val_before_train=false", "trainer.export_hf=false", "trainer.save_every_minutes=0",
         "logger.progress_bar=false", "algorithm.filter_groups=false", f"actor.micro_batch_size={args.prompts * args.group}",
         f"actor.param_dtype={'null' if args.dtype == 'float32' else args.dtype}", f"rollout.dtype={args.dtype}",
         f"reward.functions=[{{name: custom, weight: 1.0, path: {reward}, function: score}}]",
-        f"trainer.output_dir={out}", "trainer.run_name=real_size_grpo", *args.extra,
+        "trainer.run_name=real_size_grpo", *args.extra,
     ]  # fmt: skip
     stop, host = threading.Event(), []
     sampler = threading.Thread(target=_host_used_mib, args=(stop, host), daemon=True)
     sampler.start()
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
-    wall = time.perf_counter() - t0
+    p, rows, wall = run_trainer(overrides, prefix="real_size_grpo_")
     stop.set()
     sampler.join()
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = []
     for r in rows:
         steps.append({
@@ -89,10 +80,11 @@ def main() -> None:
             "grad_norm": r.get("actor/grad_norm"),
         })  # fmt: skip
     peaks = {ph: max((s["peak_rss_mib"][ph] or 0.0) for s in steps) if steps else None for ph in PHASES}
+    machine = machine_info()
     payload = {
-        "machine": machine_info(),
+        "machine": machine,
         "settings": vars(args),
-        "command": cmd,
+        "overrides": overrides,
         "returncode": p.returncode,
         # the launcher's line, with the LD_PRELOAD it gave the ranks (trainer.preload)
         "launcher": next((ln.split("] - ", 1)[-1] for ln in (p.stdout + p.stderr).splitlines() if "starting " in ln and " ranks" in ln), None),
@@ -101,8 +93,8 @@ def main() -> None:
         "steps_done": len(steps),
         "peak_rss_per_rank_mib": peaks,
         "host_used_peak_mib": max(host) if host else None,
-        "host_total_mib": machine_info().get("memory_gib", 0) * 1024,
-        "median_step_s": sorted(s["step_s"] for s in steps)[len(steps) // 2] if steps else None,
+        "host_total_mib": machine.get("memory_gib", 0) * 1024,
+        "median_step_s": statistics.median(s["step_s"] for s in steps) if steps else None,
         "steps": steps,
     }
     name = args.name or f"real_size_grpo_{args.preset.replace('.', '')}_{args.dtype}"

@@ -14,9 +14,10 @@ to_rollout:
                             the gathered tensors are freed before the cache comes back
     5. reset_prefix_cache - cached prompt KV was computed with the old weights
     6. trim_host_heap     - hand the freed gather buckets and vLLM's replaced weights back to
-                            the OS (glibc ``malloc_trim``, tcmalloc's release when preloaded); without it RSS grows by ~1.7x the
-                            model's bytes over the first ~10 switches (heap fragmentation,
-                            measured on the 100M model) before it levels off
+                            the OS (glibc ``malloc_trim``; tcmalloc's release when preloaded);
+                            without it RSS grows by ~1.7x the model's bytes over the first ~10
+                            switches (heap fragmentation, measured on the 100M model) before it
+                            levels off
     7. stamp the engine with the trainer's weights version (only here, after the load
                             returned: a sync that was skipped or failed leaves the engine's
                             version behind, and the trainer's guard refuses its rollouts)
