@@ -98,9 +98,10 @@ class RolloutConfig:
     top_k: int = -1
     # Rollout backend by name (hybrid_rl/rollout/backends.py): vllm | hf (transformers generate).
     backend: str = "vllm"
-    # The rollout engine's weights/compute dtype (float32 | bfloat16); weights are cast to it
-    # on every sync. Independent of the trainer's fp32 master weights.
-    dtype: str = "float32"
+    # The rollout engine's weights/compute dtype (auto | float32 | bfloat16); weights are cast to
+    # it on every sync. Independent of the trainer's fp32 master weights. auto: bfloat16 on CUDA
+    # and on CPUs with amx_bf16/avx512_bf16, else float32 (hybrid_rl.env.auto_dtype).
+    dtype: str = "auto"
     # Maximum new tokens per response (per turn budget for multi-turn).
     max_response_length: int = 64
     # KV cache per engine, GiB (CPU: allocated at start; CUDA: fraction below wins if > 0).
@@ -151,8 +152,9 @@ class ActorConfig:
     # num_iterations=1). "always" recomputes them before the update (verl's behaviour).
     recompute_old_logprobs: str = "auto"
     # Mixed precision (FSDP2 MixedPrecisionPolicy): the compute dtype of the forward/backward
-    # (null = fp32) and of gradient reduction. Master weights and AdamW state stay fp32.
-    param_dtype: str | None = None
+    # (auto | null = fp32 | bfloat16 | float16) and of gradient reduction. Master weights and
+    # AdamW state stay fp32. auto: bfloat16 where the hardware has native bf16 math (as rollout.dtype).
+    param_dtype: str | None = "auto"
     reduce_dtype: str = "float32"
     # Token chunk for the log-prob head, bounding (T, V) memory for big vocabularies.
     logprob_chunk: int = 1024
@@ -361,10 +363,25 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
 
 
+def resolve_precision(cfg: Config, device_type: str) -> str:
+    """Replace ``auto`` in ``actor.param_dtype`` and ``rollout.dtype`` with what this hardware
+    computes natively (:func:`hybrid_rl.env.auto_dtype`), in place, so the run's logged config says
+    what ran; returns a one-line summary. Explicit values are kept."""
+    from hybrid_rl.env import auto_dtype, cpu_bf16_support
+
+    native = auto_dtype(device_type)
+    if cfg.actor.param_dtype == "auto":
+        cfg.actor.param_dtype = None if native == "float32" else native
+    if cfg.rollout.dtype == "auto":
+        cfg.rollout.dtype = native
+    why = "CUDA" if device_type == "cuda" else f"CPU {cpu_bf16_support() or 'with no bf16 matrix unit'}"
+    return f"precision: train compute {cfg.actor.param_dtype or 'float32'}, rollout {cfg.rollout.dtype} ({why}); masters fp32"
+
+
 # The cross-field checks live in config_checks.py; they and the error they raise are part of
 # this module's interface (``from hybrid_rl.config import ConfigError, validate``).
 __all__ = [
     "LOSS_AGG_MODES", "ActorConfig", "AgentConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "LoggerConfig", "ModelConfig", "PreferenceConfig", "RewardConfig", "RewardFnConfig", "RewardModelConfig", "RolloutConfig",
-    "SynthMathConfig", "TrainerConfig", "register_configs", "validate",
+    "SynthMathConfig", "TrainerConfig", "register_configs", "resolve_precision", "validate",
 ]  # fmt: skip

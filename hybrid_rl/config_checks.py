@@ -57,12 +57,12 @@ def _precision(cfg: Any) -> list[str]:
             f"model.dtype={cfg.model.dtype} was removed: master weights and optimizer state are always fp32; "
             "set the training compute dtype with actor.param_dtype and the rollout engine's with rollout.dtype"
         )
-    if cfg.rollout.dtype not in DTYPES:
-        problems.append(f"rollout.dtype={cfg.rollout.dtype!r} must be float32, bfloat16 or float16")
-    for name in ("param_dtype", "reduce_dtype"):
-        value = getattr(cfg.actor, name)
-        if value is not None and value not in DTYPES:
-            problems.append(f"actor.{name}={value!r} must be float32, bfloat16 or float16 (or null)")
+    if cfg.rollout.dtype not in ("auto", *DTYPES):
+        problems.append(f"rollout.dtype={cfg.rollout.dtype!r} must be auto, float32, bfloat16 or float16")
+    if cfg.actor.param_dtype is not None and cfg.actor.param_dtype not in ("auto", *DTYPES):
+        problems.append(f"actor.param_dtype={cfg.actor.param_dtype!r} must be auto, float32, bfloat16 or float16 (or null)")
+    if cfg.actor.reduce_dtype is not None and cfg.actor.reduce_dtype not in DTYPES:
+        problems.append(f"actor.reduce_dtype={cfg.actor.reduce_dtype!r} must be float32, bfloat16 or float16")
     return problems
 
 

@@ -73,6 +73,17 @@ def cpu_bf16_support(flags: frozenset[str] | None = None) -> str | None:
     return None
 
 
+def auto_dtype(device_type: str = "cpu", flags: frozenset[str] | None = None) -> str:
+    """What ``auto`` precision means on this hardware: ``"bfloat16"`` where bf16 matrix math is
+    native (CUDA devices that support it; CPUs with ``amx_bf16`` or ``avx512_bf16``), else
+    ``"float32"`` (a CPU without those flags emulates bf16 GEMMs, slower than fp32)."""
+    if device_type == "cuda":
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_bf16_support(flags) else "float32"
+
+
 def _arch_prctl(code: int, arg: int) -> tuple[int, int]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
@@ -129,7 +140,9 @@ def preload_libraries(
         if missing:
             raise ConfigError(f"trainer.preload: no such library {missing[0]!r} (use auto, none, tcmalloc, iomp or paths)")
         return paths
-    cuda = device == "cuda" or (device == "auto" and os.path.exists("/dev/nvidiactl") and os.environ.get("HYBRID_RL_FORCE_CPU") != "1")
+    cuda = device == "cuda" or (
+        device == "auto" and os.path.exists("/dev/nvidiactl") and os.environ.get("HYBRID_RL_FORCE_CPU") != "1"
+    )
     if mode == "auto" and cuda:
         return []
     dirs = lib_dirs if lib_dirs is not None else _LIB_DIRS

@@ -83,11 +83,15 @@ def run(cfg: DictConfig) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 1) // max(world, 1)))
+    from hybrid_rl.config import resolve_precision
     from hybrid_rl.dist import init_distributed, shutdown_distributed
     from hybrid_rl.errors import HybridRLError
     from hybrid_rl.tasks import TASKS
 
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    precision = resolve_precision(cfg, ctx.device.type)
+    if ctx.is_main:
+        log.info(precision)
     try:
         TASKS[cfg.trainer.task](cfg, ctx)
     except HybridRLError as e:  # expected: one line naming what is at fault, exit 2

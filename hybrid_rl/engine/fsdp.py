@@ -45,9 +45,18 @@ DTYPES = {
 MASTER_DTYPE = torch.float32
 
 
-def to_dtype(name: str | None) -> torch.dtype | None:
+def to_dtype(name: str | None, device: torch.device | str | None = None) -> torch.dtype | None:
+    """A config dtype name -> torch dtype; None stays None (fp32, no cast). ``auto`` is bf16
+    where the hardware has native bf16 math (:func:`hybrid_rl.env.auto_dtype`), for ``device``
+    (default: CPU)."""
     if name is None:
         return None
+    if name == "auto":
+        from hybrid_rl.env import auto_dtype
+
+        name = auto_dtype(torch.device(device).type if device is not None else "cpu")
+        if name == "float32":
+            return None  # fp32 masters: nothing to cast
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
     return DTYPES[name]

@@ -158,12 +158,16 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     import torch
     from omegaconf import OmegaConf
 
+    from hybrid_rl.config import resolve_precision
     from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
     from hybrid_rl.engine.builders import build_policy_engine, build_reward_engine, build_value_engine
     from hybrid_rl.engine.fsdp import to_dtype
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rewards.pool import RewardPool
 
+    precision = resolve_precision(cfg, ctx.device.type)
+    if ctx.is_main:
+        log.info(precision)
     torch.manual_seed(cfg.trainer.seed + ctx.rank)
     random.seed(cfg.trainer.seed + ctx.rank)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code)

@@ -34,6 +34,7 @@ from hybrid_rl.dist import (
     gather_rows,
     mean_over_ranks,
 )
+from hybrid_rl.engine.flops import DecoderFlops
 from hybrid_rl.engine.heads import Sampling
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import fault_active, maybe_fail
@@ -46,6 +47,12 @@ from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.validation import evaluate
 
 log = logging.getLogger("hybrid_rl")
+
+
+def model_flops(engine: Any) -> DecoderFlops | None:
+    """The FLOP counter for the engine's HF causal LM (None where it has none, e.g. a fake)."""
+    config = getattr(getattr(getattr(engine, "module", None), "lm", None), "config", None)
+    return DecoderFlops.from_hf_config(config) if config is not None else None
 
 
 class RLTrainer:
@@ -68,6 +75,7 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
+        self.flops = model_flops(parts.actor)
         self.step_idx = 0
         self.stop_requested = False
         self.last_save = time.monotonic()
@@ -270,7 +278,8 @@ class RLTrainer:
         # Model-written tokens (tool output excluded); clip_ratio: responses cut at the budget.
         lengths = torch.tensor([sum(s.response_mask) for s in rollout.samples], dtype=torch.float32)
         gen_tokens, train_tokens = all_reduce_sum([float(lengths.sum()), float(batch.attention_mask.sum())])
-        return {
+        m = self.flop_rates(rollout, timer) if self.flops is not None else {}
+        return m | {
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
@@ -278,11 +287,29 @@ class RLTrainer:
             "train/tokens_per_s": train_tokens * self.cfg.actor.epochs / max(timer.seconds.get("update", 1e-9), 1e-9),
         }
 
+    def flop_rates(self, rollout: Rollout, timer: PhaseTimer) -> dict[str, float]:
+        """Achieved model FLOP/s of the policy update (forward + backward, all epochs) and of
+        generation (:mod:`hybrid_rl.engine.flops`), over all ranks; MFU is this over the
+        hardware's peak (benchmarks/precision.py measures both in one run)."""
+        s = rollout.samples
+        prompt = [len(x.prompt_ids) for x in s]
+        response = [len(x.response_ids) for x in s]
+        update, generate = all_reduce_sum(
+            [
+                self.flops.train([x.text_len for x in s]) * self.cfg.actor.epochs,
+                self.flops.generate(prompt, response, [x.group for x in s]),
+            ]
+        )
+        return {
+            "perf/update_tflops_per_s": update / max(timer.seconds.get("update", 1e-9), 1e-9) / 1e12,
+            "perf/generate_tflops_per_s": generate / max(timer.seconds.get("generate", 1e-9), 1e-9) / 1e12,
+        }
+
     def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
         """Mean over ranks, except token counts (summed), throughput (already global) and memory
         peaks (the largest rank's: the one that meets the limit first)."""
         summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
-        globals_ = {k for k in m if k.endswith("tokens_per_s") or k.startswith("dapo/")}
+        globals_ = {k for k in m if k.endswith(("tokens_per_s", "tflops_per_s")) or k.startswith("dapo/")}
         peaks = sorted(k for k in m if "peak_" in k and k not in summed and k not in globals_)
         sums = dict(zip(sorted(summed), all_reduce_sum([m[k] for k in sorted(summed)]), strict=True))
         maxes = dict(zip(peaks, all_reduce_max_list([m[k] for k in peaks]), strict=True))

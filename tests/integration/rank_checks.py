@@ -46,7 +46,7 @@ def fixed_batch():
 def gradients(ctx, path: str, mode: str, accumulation: str = "sharded") -> dict[str, list[float]]:
     """The gradient the engine's own ``train_batch`` (micro-batching, accumulation, rank scaling)
     hands the optimizer, gathered from the shards; no clipping so nothing rescales it."""
-    ac = ActorConfig(micro_batch_size=2, grad_clip=0.0, packing=False, grad_accumulation=accumulation)
+    ac = ActorConfig(micro_batch_size=2, grad_clip=0.0, packing=False, grad_accumulation=accumulation, param_dtype=None)
     actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ac, ctx, 10)
     samples = fixed_batch()
     per = len(samples) // ctx.world_size
@@ -78,12 +78,15 @@ def sharded_init(ctx, path: str) -> dict[str, float]:
     from hybrid_rl.engine.builders import build_reward_engine, build_value_engine
 
     file = load_file(f"{path}/model.safetensors")
-    ac, mc = ActorConfig(packing=False), ModelConfig(attn_implementation="sdpa", sharded_init=True)
+    ac, mc = ActorConfig(packing=False, param_dtype=None), ModelConfig(attn_implementation="sdpa", sharded_init=True)
     report = {}
     engines = {
         "policy": (build_policy_engine(path, mc, ac, ctx, 10), lambda n: n.removeprefix("lm.")),
         "critic": (build_value_engine(path, mc, CriticConfig(), ac, ctx, 10), lambda n: "model." + n.removeprefix("body.")),
-        "reward": (build_reward_engine(path, SimpleNamespace(model=mc, actor=ac), ctx, 1, False), lambda n: n.removeprefix("rm.")),
+        "reward": (
+            build_reward_engine(path, SimpleNamespace(model=mc, actor=ac), ctx, 1, False),
+            lambda n: n.removeprefix("rm."),
+        ),
     }
     old = build_policy_engine(path, ModelConfig(attn_implementation="sdpa", sharded_init=False), ac, ctx, 10)
     old_params = {n: p.full_tensor() for n, p in old.module.named_parameters()}
@@ -111,7 +114,9 @@ def sharded_init(ctx, path: str) -> dict[str, float]:
 def gather_transports(ctx, path: str) -> dict[str, float]:
     """The weight sync's gather (flat buckets; collective and shared-memory transports; buckets
     smaller than one tensor, and all in one) against DTensor.full_tensor(), bitwise, fp32 and bf16."""
-    actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ActorConfig(packing=False), ctx, 10)
+    actor = build_policy_engine(
+        path, ModelConfig(attn_implementation="sdpa"), ActorConfig(packing=False, param_dtype=None), ctx, 10
+    )
     ref = {actor.hf_name(n): p.detach().full_tensor() for n, p in actor.module.named_parameters()}
     out = {}
     # After a no-grad forward FSDP2 leaves the root's parameters unsharded (plain tensors).

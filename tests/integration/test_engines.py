@@ -75,7 +75,7 @@ def _engine(ctx, path, micro):
     from hybrid_rl.engine.builders import build_policy_engine
 
     mc = ModelConfig(attn_implementation="sdpa")
-    ac = ActorConfig(lr=1e-3, micro_batch_size=micro, logprob_chunk=7, packing=False)
+    ac = ActorConfig(lr=1e-3, micro_batch_size=micro, logprob_chunk=7, packing=False, param_dtype=None)
     return build_policy_engine(path, mc, ac, ctx, total_steps=10)
 
 
@@ -203,7 +203,7 @@ def test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync(
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rollout.base import prompt_seed
 
-    ac = ActorConfig(lr=1e-3, micro_batch_size=16, packing=True)
+    ac = ActorConfig(lr=1e-3, micro_batch_size=16, packing=True, param_dtype=None)
     actor = build_policy_engine(tiny_path, ModelConfig(attn_implementation="sdpa"), ac, ctx, total_steps=10)
     prompts = [chat(tokenizer, f"Fay has {i} hats and {2 * i} bags.") for i in range(3)]
     warm = collate([Sample(p, p[-6:], [0.0] * 6, [1] * 6, "stop", i) for i, p in enumerate(prompts)], tokenizer.pad_token_id)

@@ -52,7 +52,9 @@ def test_sampler_logprobs_match_the_trainer_after_a_sync(ctx, tiny_path, hf_engi
     from hybrid_rl.engine.heads import Sampling
     from hybrid_rl.hybrid.switch import HybridSwitch
 
-    actor = build_policy_engine(tiny_path, ModelConfig(attn_implementation="sdpa"), ActorConfig(lr=1e-3), ctx, 10)
+    actor = build_policy_engine(
+        tiny_path, ModelConfig(attn_implementation="sdpa"), ActorConfig(lr=1e-3, param_dtype=None), ctx, 10
+    )
     prompts = [chat(tokenizer, f"Hugo has {i} coins.") for i in range(3)]
     warm = collate([Sample(p, p[-6:], [0.0] * 6, [1] * 6, "stop", i) for i, p in enumerate(prompts)], tokenizer.pad_token_id)
     warm.loss_weights = agg_weights(warm.response_mask, "token-mean", float(warm.response_mask.sum()), 3.0)

@@ -146,3 +146,49 @@ def test_the_ci_overlay_stacks_on_every_recipe(recipe):
     cfg = compose_cfg(f"+recipe={recipe}", "+overlay=ci_tiny", *extra.get(recipe, []))
     validate(cfg, world_size=1)
     assert cfg.model.path == "builtin:tiny" and cfg.trainer.export_hf is False and cfg.logger.progress_bar is False
+
+
+@pytest.mark.parametrize(
+    "flags, device, want",
+    [
+        ({"avx512f", "avx512_bf16"}, "cpu", "bfloat16"),
+        ({"amx_tile", "amx_bf16", "avx512f"}, "cpu", "bfloat16"),
+        ({"avx512f", "avx2"}, "cpu", "float32"),  # bf16 would be emulated: slower than fp32
+        (set(), "cpu", "float32"),
+    ],
+)
+def test_auto_precision_follows_the_hardware(flags, device, want):
+    """actor.param_dtype=auto and rollout.dtype=auto (the defaults) become bf16 only where the CPU
+    has native bf16 math; explicit values are kept; the summary names the reason."""
+    from unittest import mock
+
+    from hybrid_rl import env
+    from hybrid_rl.config import resolve_precision
+
+    assert env.auto_dtype(device, frozenset(flags)) == want
+    with mock.patch.object(env, "cpu_flags", return_value=frozenset(flags)):
+        cfg = compose_cfg("+recipe=grpo_math")
+        assert (cfg.actor.param_dtype, cfg.rollout.dtype) == ("auto", "auto")
+        summary = resolve_precision(cfg, device)
+        assert cfg.rollout.dtype == want
+        assert cfg.actor.param_dtype == (None if want == "float32" else want)
+        assert ("avx512_bf16" in summary or "amx_bf16" in summary) == (want == "bfloat16")
+        validate(cfg)
+        pinned = compose_cfg("+recipe=grpo_math", "actor.param_dtype=null", "rollout.dtype=float32")
+        resolve_precision(pinned, device)
+        assert (pinned.actor.param_dtype, pinned.rollout.dtype) == (None, "float32")
+
+
+def test_auto_compute_dtype_reaches_the_engine_builders():
+    from unittest import mock
+
+    import torch
+
+    from hybrid_rl import env
+    from hybrid_rl.engine.fsdp import to_dtype
+
+    with mock.patch.object(env, "cpu_flags", return_value=frozenset({"avx512_bf16"})):
+        assert to_dtype("auto", "cpu") is torch.bfloat16
+    with mock.patch.object(env, "cpu_flags", return_value=frozenset({"avx2"})):
+        assert to_dtype("auto", torch.device("cpu")) is None  # fp32: no mixed-precision cast
+    assert to_dtype(None) is None and to_dtype("float32") is torch.float32
