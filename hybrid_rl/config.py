@@ -144,6 +144,12 @@ class ActorConfig:
     # Padding-free micro-batches: rows repacked first-fit into fewer rows, each sequence attending
     # only to itself (block-diagonal mask from restarting position ids). Actor and critic.
     packing: bool = True
+    # Shared-prefix training forward: in a micro-batch, each distinct prompt (a GRPO group's) runs
+    # through the model once, packed with the responses; attention per segment gives every token
+    # the keys of the plain forward (same log-probs and gradients). Off by itself for models without
+    # transformers' attention interface, with sliding-window layers, or with gradient checkpointing.
+    # Actor, reference and critic.
+    shared_prefix: bool = True
     # Passes over each rollout batch (PPO epochs).
     epochs: int = 1
     # Old log-probs: "auto" skips the extra forward pass when the update is exactly on-policy

@@ -4,6 +4,7 @@ model (sequence classification). Master weights are always fp32 (:data:`MASTER_D
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from hybrid_rl.dist import DistContext
 from hybrid_rl.engine.fsdp import MASTER_DTYPE, FSDPEngine, OptimConfig, to_dtype
 from hybrid_rl.engine.sharded_init import checkpoint_files, load_sharded, params_on_meta
 from hybrid_rl.errors import ModelPathError
+
+log = logging.getLogger("hybrid_rl")
 
 
 def _attn(attn_implementation: str, device: torch.device) -> str:
@@ -75,6 +78,20 @@ def _seeded_normal(std: float, seed: int = 0):
     return init
 
 
+def use_shared_prefix(lm, actor_cfg, ctx: DistContext) -> bool:
+    """``actor.shared_prefix``, unless the model cannot run it (then say why, once, and pack)."""
+    from hybrid_rl.engine.heads import shared_prefix_unsupported
+
+    if not actor_cfg.shared_prefix:
+        return False
+    why = shared_prefix_unsupported(lm)
+    if actor_cfg.gradient_checkpointing:  # recomputed in backward, after the forward switched attention back
+        why = "actor.gradient_checkpointing recomputes layers with the plain attention"
+    if why and ctx.is_main:
+        log.warning("actor.shared_prefix is off for this model: %s; using the packed forward", why)
+    return why is None
+
+
 def build_policy_engine(
     path: str, model_cfg, actor_cfg, ctx: DistContext, total_steps: int, trainable: bool = True
 ) -> FSDPEngine:
@@ -88,7 +105,7 @@ def build_policy_engine(
     if trainable and actor_cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return FSDPEngine(
-        PolicyModule(lm, actor_cfg.logprob_chunk, actor_cfg.packing),
+        PolicyModule(lm, actor_cfg.logprob_chunk, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx)),
         ctx,
         OptimConfig.from_actor(actor_cfg, total_steps) if trainable else None,
         micro_batch_size=actor_cfg.micro_batch_size,
@@ -106,7 +123,7 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
 
     sharded = model_cfg.sharded_init
     lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code, sharded)
-    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing).to(MASTER_DTYPE)
+    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx)).to(MASTER_DTYPE)
     zeros = {"value_head.weight": lambda n, shape: torch.zeros(shape), "value_head.bias": lambda n, shape: torch.zeros(shape)}
     optim = OptimConfig(
         lr=critic_cfg.lr,

@@ -43,12 +43,27 @@ def fixed_batch():
     return samples
 
 
-def gradients(ctx, path: str, mode: str, accumulation: str = "sharded") -> dict[str, list[float]]:
+def group_batch():
+    """2 prompts x 4 responses of different lengths (GRPO groups: the shared-prefix case)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 3)]
+    samples = []
+    for i in range(8):
+        r = 2 + (5 * i) % 9
+        samples.append(Sample(prompts[i // 4], torch.randint(5, 200, (r,), generator=g).tolist(), [0.0] * r, [1] * r,
+                              "stop", i // 4, score=float(i % 3)))  # fmt: skip
+    return samples
+
+
+def gradients(
+    ctx, path: str, mode: str, accumulation: str = "sharded", shared_prefix: bool = False, samples=None, micro: int = 2
+) -> dict[str, list[float]]:
     """The gradient the engine's own ``train_batch`` (micro-batching, accumulation, rank scaling)
     hands the optimizer, gathered from the shards; no clipping so nothing rescales it."""
-    ac = ActorConfig(micro_batch_size=2, grad_clip=0.0, packing=False, grad_accumulation=accumulation, param_dtype=None)
+    ac = ActorConfig(micro_batch_size=micro, grad_clip=0.0, packing=False, grad_accumulation=accumulation, param_dtype=None,
+                     shared_prefix=shared_prefix)  # fmt: skip
     actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ac, ctx, 10)
-    samples = fixed_batch()
+    samples = samples or fixed_batch()
     per = len(samples) // ctx.world_size
     batch = collate(samples[ctx.rank * per : (ctx.rank + 1) * per], 0)
     full_adv = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
@@ -159,6 +174,10 @@ def main() -> None:
     path = str(tiny_model_path("micro"))
     report = {"world_size": ctx.world_size, "grads": {m: gradients(ctx, path, m) for m in LOSS_AGG_MODES}}
     report["grads_unsharded_accumulation"] = gradients(ctx, path, "token-mean", "unsharded")
+    # Shared-prefix forward under FSDP2 (the body runs twice per micro-batch) vs the plain one.
+    groups = group_batch()
+    report["grads_groups_plain"] = gradients(ctx, path, "token-mean", samples=groups, micro=4)
+    report["grads_groups_shared_prefix"] = gradients(ctx, path, "token-mean", shared_prefix=True, samples=groups, micro=4)
     report["sharded_init"] = sharded_init(ctx, path)
     report["gather"] = gather_transports(ctx, path)
     report["kl_coef_per_rank"] = kl_controller(ctx)

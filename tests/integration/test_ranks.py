@@ -37,6 +37,18 @@ def test_one_and_two_ranks_give_the_same_gradient(reports, mode):
     assert max(abs(v) for k in one for v in one[k]) > 1e-4  # a real, non-zero gradient
 
 
+def test_shared_prefix_forward_gives_the_plain_gradient(reports):
+    """actor.shared_prefix: each group's prompt through the FSDP2 model once (the body runs twice
+    per micro-batch, prompt then responses): the same gradient as the plain forward, < 1e-5 fp32,
+    on 1 rank and on 2 (one group per rank), and the same on both rank counts."""
+    for rep in reports:
+        a, b = rep["grads_groups_plain"], rep["grads_groups_shared_prefix"]
+        assert a.keys() == b.keys() and max(abs(v) for k in a for v in a[k]) > 1e-4
+        assert max(abs(x - y) for k in a for x, y in zip(a[k], b[k], strict=True)) < 1e-5
+    one, two = reports[0]["grads_groups_shared_prefix"], reports[1]["grads_groups_shared_prefix"]
+    assert max(abs(x - y) for k in one for x, y in zip(one[k], two[k], strict=True)) < 1e-5
+
+
 def test_kl_controller_is_the_same_on_every_rank(reports):
     coefs = reports[1]["kl_coef_per_rank"]
     assert len(coefs) == 2 and coefs[0] == coefs[1]
