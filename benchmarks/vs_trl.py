@@ -1,12 +1,19 @@
-"""Benchmark: the same GRPO step with hybrid_rl and with TRL's GRPOTrainer, on CPU.
+"""Benchmark: the same GRPO step with hybrid_rl and with TRL's GRPOTrainer, on CPU, per phase.
 
-    python -m benchmarks.vs_trl [--prompts 8] [--group 8] [--max-tokens 128] [--steps 6]
+    python -m benchmarks.vs_trl [--preset tiny] [--prompts 8] [--group 8] [--max-tokens 64] [--steps 5]
+                                [--trl-precision fp32,bf16] [--ranks 2]
 
 Same model (the project's tiny model, random init, so both sides generate to the length cap
 nearly always: the same work), same prompts (the synthetic math task through the chat template),
 same G, same completion cap, one optimizer step per generation (no PPO epochs, no KL term, no
 reference model), same learning rate, same rule-based reward. The median step time over steps
-2..N is compared (step 1 carries start-up and warm-up on both sides).
+2..N is compared (step 1 carries start-up and warm-up on both sides), and each phase: generate,
+log-probs (old/reference passes; both skip them in this on-policy setting), reward, update, switch.
+
+Each side at its best settings: hybrid_rl with its defaults (``precision auto``: bf16 compute with
+fp32 masters and a bf16 vLLM engine on CPUs with avx512_bf16/amx_bf16; the shared-prefix forward);
+TRL once per ``--trl-precision`` (``bf16=True`` is TRL/accelerate's CPU autocast) and the faster
+one is the reference (both are recorded).
 
   hybrid_rl: ``python -m hybrid_rl.main +recipe=grpo_math`` with the matching overrides, on 1 rank
              (one process, like TRL here) and on 2 ranks (the recipe's default on 2 cores);
@@ -83,10 +90,20 @@ def trl_worker(args) -> None:
         ]
 
     marks: list[float] = []
+    phases: dict[str, list[float]] = {"generate": [], "score": []}
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
             marks.append(time.perf_counter())
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            phases[name].append(time.perf_counter() - t)
+            return out
+
+        return wrapper
 
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-"),
@@ -103,22 +120,36 @@ def trl_worker(args) -> None:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=args.trl_bf16,
         dataloader_num_workers=0,
         seed=0,
     )
     trainer = GRPOTrainer(
         model=model, processing_class=tok, reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Clock()]
     )
+    # generate = TRL's _generate (transformers generate); score = the rest of
+    # _generate_and_score_completions (rewards, advantages, old log-probs if any); update = the rest.
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._generate_and_score_completions = timed("score", trainer._generate_and_score_completions)
     start = time.perf_counter()
     trainer.train()
     steps = [b - a for a, b in zip([start, *marks[:-1]], marks, strict=True)]
-    Path(args.out).write_text(json.dumps({"step_seconds": steps}))
+    gen, score = phases["generate"], phases["score"]
+    per_phase = {
+        "generate": gen,
+        "reward_and_logprobs": [s - g for s, g in zip(score, gen, strict=True)],
+        "update": [st - s for st, s in zip(steps, score, strict=True)],
+    }
+    Path(args.out).write_text(json.dumps({"step_seconds": steps, "phases": per_phase}))
     sys.stdout.flush()
     os._exit(0)
 
 
-def run_hybrid(args, ranks: int) -> list[float]:
+HYBRID_PHASES = {"generate": ("generate",), "reward_and_logprobs": ("reward", "logprobs", "advantage"),
+                 "update": ("update",), "switch": ("switch_to_train", "switch_to_rollout")}  # fmt: skip
+
+
+def run_hybrid(args, ranks: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"hybrid-{ranks}-"))
     cmd = [
         sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math",
@@ -133,7 +164,20 @@ def run_hybrid(args, ranks: int) -> list[float]:
     if p.returncode != 0:
         raise SystemExit(f"hybrid_rl ({ranks} ranks) failed:\n{p.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["timing/step"] for r in rows if "timing/step" in r]
+    rows = [r for r in rows if "timing/step" in r]
+    phases = {k: [sum(r.get(f"timing/{n}", 0.0) for n in names) for r in rows] for k, names in HYBRID_PHASES.items()}
+    return {"step_seconds": [r["timing/step"] for r in rows], "phases": phases}
+
+
+def run_trl(args, bf16: bool) -> dict:
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DEPS), str(HERE.parent)])}
+    cmd = [sys.executable, "-m", "benchmarks.vs_trl", "--worker", "--out", str(out), *(["--trl-bf16"] if bf16 else [])]
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out", "trl_bf16")]
+    p = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, check=False, timeout=3600)
+    if p.returncode != 0 or out.stat().st_size == 0:
+        raise SystemExit(f"TRL worker failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -141,9 +185,13 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--trl-precision", default="fp32,bf16", help="TRL runs (the faster is the reference)")
+    ap.add_argument("--ranks", default="2", help="hybrid_rl runs, by rank count")
+    ap.add_argument("--name", default="", help="results/<name>.json (default vs_trl_<preset>_<max-tokens>)")
+    ap.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -151,44 +199,44 @@ def main() -> None:
         trl_worker(args)
         return
     ensure_trl()
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DEPS), str(HERE.parent)])}
-    cmd = [sys.executable, "-m", "benchmarks.vs_trl", "--worker", "--out", str(out)]
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out")]
-    p = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, check=False, timeout=3600)
-    if p.returncode != 0 or out.stat().st_size == 0:
-        raise SystemExit(f"TRL worker failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    trl_steps = json.loads(out.read_text())["step_seconds"]
-    results = {"trl": trl_steps, "hybrid_rl_1rank": run_hybrid(args, 1), "hybrid_rl_2ranks": run_hybrid(args, 2)}
-    med = {k: statistics.median(v[1:]) for k, v in results.items()}
-    ratios = {k: med["trl"] / v for k, v in med.items() if k != "trl"}
+    results = {f"trl_{p}": run_trl(args, p == "bf16") for p in args.trl_precision.split(",")}
+    results |= {f"hybrid_rl_{n}rank{'s' if int(n) > 1 else ''}": run_hybrid(args, int(n)) for n in args.ranks.split(",")}
+    med = {k: statistics.median(v["step_seconds"][1:]) for k, v in results.items()}
+    phase_med = {k: {ph: statistics.median(xs[1:]) for ph, xs in v["phases"].items()} for k, v in results.items()}
+    trl_best = min((k for k in med if k.startswith("trl_")), key=med.get)
+    ratios = {k: med[trl_best] / v for k, v in med.items() if not k.startswith("trl_")}
     for k, v in med.items():
-        print(f"{k:>17}: {v:.2f} s/step" + (f"  ({ratios[k]:.1f}x faster than TRL)" if k in ratios else ""))
+        extra = f"  ({ratios[k]:.2f}x faster than {trl_best})" if k in ratios else ""
+        print(f"{k:>17}: {v:.2f} s/step {phase_med[k]}{extra}", flush=True)
     payload = {
         "benchmark": "vs_trl",
         "machine": machine_info(),
         "settings": vars(args),
         "trl_pins": TRL_PINS,
-        "step_seconds": results,
+        "runs": results,
         "median_step_s": med,
+        "median_phase_s": phase_med,
+        "trl_reference": trl_best,
         "trl_over_hybrid": ratios,
         "target_min": 3.0,
     }
-    path = write_json("vs_trl", payload)
-
-    fig, ax = figure((5.5, 3.6))
+    name = args.name or f"vs_trl_{args.preset}_{args.max_tokens}"
+    path = write_json(name, payload)
+    fig, ax = figure((6.5, 3.8))
     names = list(med)
-    ax.bar(names, [med[k] for k in names], color=["C1", "C0", "C0"])
+    bottom = [0.0] * len(names)
+    for i, ph in enumerate(("generate", "reward_and_logprobs", "update", "switch")):
+        vals = [phase_med[k].get(ph, 0.0) for k in names]
+        ax.bar(names, vals, bottom=bottom, label=ph, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     for i, k in enumerate(names):
-        ax.text(
-            i, med[k], f"{med[k]:.1f} s" + (f"\n{ratios[k]:.1f}x" if k in ratios else ""), ha="center", va="bottom", fontsize=8
-        )
-    ax.set_ylabel("seconds per GRPO step (median)")
-    ax.set_title(
-        f"Same GRPO step: {args.prompts} prompts x G={args.group} x {args.max_tokens} tokens ({args.preset}, CPU)", fontsize=9
-    )
+        ax.text(i, max(med[k], bottom[i]), f"{med[k]:.1f} s" + (f"\n{ratios[k]:.2f}x" if k in ratios else ""),
+                ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_ylabel("seconds per GRPO step (median of steps 2-N)")
+    ax.set_title(f"Same GRPO step: {args.prompts} prompts x G={args.group} x {args.max_tokens} tokens ({args.preset}, CPU)", fontsize=9)
+    ax.legend(fontsize=7)
     ax.margins(y=0.2)
-    print(f"wrote {path} and {save_figure(fig, 'vs_trl')}")
+    print(f"wrote {path} and {save_figure(fig, name)}")
 
 
 if __name__ == "__main__":

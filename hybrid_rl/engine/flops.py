@@ -49,11 +49,20 @@ class DecoderFlops:
         """Forward + backward over whole sequences (prompt + response): 3x the forward."""
         return 3.0 * sum(self.span(0, n) for n in seq_lens)
 
+    def train_shared_prefix(self, prompt_lens: Sequence[int], response_lens: Sequence[int], groups: Sequence[int]) -> float:
+        """Forward + backward with the shared-prefix forward (``actor.shared_prefix``): each
+        group's prompt once, each response at its positions after it (whole groups per
+        micro-batch, as the trainer forms them)."""
+        return 3.0 * self._prompt_once(prompt_lens, response_lens, groups, 0)
+
+    def _prompt_once(self, prompt_lens: Sequence[int], response_lens: Sequence[int], groups: Sequence[int], skip: int) -> float:
+        prompts: dict[int, int] = {}
+        for g, p in zip(groups, prompt_lens, strict=True):
+            prompts.setdefault(g, p)
+        rest = sum(self.span(p, p + r - skip) for p, r in zip(prompt_lens, response_lens, strict=True))
+        return sum(self.span(0, p) for p in prompts.values()) + rest
+
     def generate(self, prompt_lens: Sequence[int], response_lens: Sequence[int], groups: Sequence[int]) -> float:
         """Prefill once per group, then one forward per generated token after the first;
         ``groups[i]`` names the prompt sample ``i`` answers."""
-        prefill: dict[int, int] = {}
-        for g, p in zip(groups, prompt_lens, strict=True):
-            prefill.setdefault(g, p)
-        decode = sum(self.span(p, p + r - 1) for p, r in zip(prompt_lens, response_lens, strict=True))
-        return sum(self.span(0, p) for p in prefill.values()) + decode
+        return self._prompt_once(prompt_lens, response_lens, groups, 1)

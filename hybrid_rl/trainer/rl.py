@@ -288,18 +288,17 @@ class RLTrainer:
         }
 
     def flop_rates(self, rollout: Rollout, timer: PhaseTimer) -> dict[str, float]:
-        """Achieved model FLOP/s of the policy update (forward + backward, all epochs) and of
+        """Achieved model FLOP/s of the policy update (forward + backward, all epochs; with the
+        shared-prefix forward each group's prompt counts once, as it is computed once) and of
         generation (:mod:`hybrid_rl.engine.flops`), over all ranks; MFU is this over the
         hardware's peak (benchmarks/precision.py measures both in one run)."""
         s = rollout.samples
         prompt = [len(x.prompt_ids) for x in s]
         response = [len(x.response_ids) for x in s]
-        update, generate = all_reduce_sum(
-            [
-                self.flops.train([x.text_len for x in s]) * self.cfg.actor.epochs,
-                self.flops.generate(prompt, response, [x.group for x in s]),
-            ]
-        )
+        groups = [x.group for x in s]
+        shared = getattr(self.actor.module, "shared_prefix", False)
+        train = self.flops.train_shared_prefix(prompt, response, groups) if shared else self.flops.train([x.text_len for x in s])
+        update, generate = all_reduce_sum([train * self.cfg.actor.epochs, self.flops.generate(prompt, response, groups)])
         return {
             "perf/update_tflops_per_s": update / max(timer.seconds.get("update", 1e-9), 1e-9) / 1e12,
             "perf/generate_tflops_per_s": generate / max(timer.seconds.get("generate", 1e-9), 1e-9) / 1e12,

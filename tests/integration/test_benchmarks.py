@@ -31,6 +31,8 @@ CASES = {
         "1",
     ],
     "switch_overhead": ["--presets", "micro", "--repeats", "1"],
+    "shared_prefix": ["--preset", "micro", "--groups", "2", "--n", "4", "--micro", "8", "--response", "16", "--ratios", "0.5,1",
+                      "--repeats", "1"],
     "split_pool": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "1"],
     "sandbox_latency": ["--runs", "4", "--concurrency", "1,2"],
     "checkpoint_cost": ["--presets", "micro", "--repeats", "1"],
@@ -39,7 +41,10 @@ CASES = {
 SLOW = {
     "real_size_grpo": ["--preset", "micro", "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--name", "real_size_grpo"],
     "preload": ["--steps", "3", "--repeats", "1", "--modes", "none,auto", "--extra", "+overlay=ci_tiny", "model.preset=micro", "algorithm.filter_groups=false"],
-    "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2"],
+    "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2", "--trl-precision", "fp32",
+               "--name", "vs_trl"],
+    "precision": ["--steps", "3", "--repeats", "1", "--gemm", "256", "--extra", "+overlay=ci_tiny", "model.preset=micro",
+                  "algorithm.filter_groups=false"],
     "compare_algorithms": [
         "--steps",
         "1",

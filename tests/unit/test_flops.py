@@ -42,3 +42,6 @@ def test_span_train_and_generate_compose():
     # (the prefill yields each sample's first token).
     assert f.generate([5, 5], [4, 2], [0, 0]) == f.span(0, 5) + f.span(5, 8) + f.span(5, 6)
     assert f.generate([5, 5], [4, 2], [0, 1]) == 2 * f.span(0, 5) + f.span(5, 8) + f.span(5, 6)
+    # Shared-prefix training: the group's prompt once, both responses whole.
+    assert f.train_shared_prefix([5, 5], [4, 2], [0, 0]) == 3 * (f.span(0, 5) + f.span(5, 9) + f.span(5, 7))
+    assert f.train_shared_prefix([5, 5], [4, 2], [0, 1]) == f.train([9, 7])
