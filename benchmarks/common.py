@@ -114,6 +114,22 @@ def save_figure(fig, name: str, grid_axis: str | None = "y") -> Path:
     return path
 
 
+def one_rank_on_all_cores(preset: str):
+    """Process set-up for a benchmark engine: the environment (all cores to this one rank), a
+    1-rank gloo group, the tiny model preset built if needed. Returns ``(ctx, model_path, vocab_size)``."""
+    from hybrid_rl.env import setup_process_env
+
+    setup_process_env(threads_per_rank=os.cpu_count() or 1)
+    from transformers import AutoConfig
+
+    from hybrid_rl.dist import init_distributed
+    from hybrid_rl.models.tiny import tiny_model_path
+
+    ctx = init_distributed("cpu")
+    path = str(tiny_model_path(preset))
+    return ctx, path, AutoConfig.from_pretrained(path).vocab_size
+
+
 def rollout_config(**overrides):
     """The project's ``RolloutConfig`` with benchmark defaults (30% of a GPU per engine)."""
     from hybrid_rl.config import RolloutConfig

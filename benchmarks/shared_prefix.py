@@ -16,11 +16,10 @@ between the layouts. Writes results/shared_prefix.json and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
-from benchmarks.common import actor_config, figure, machine_info, model_config, save_figure, write_json
+from benchmarks.common import actor_config, figure, machine_info, model_config, one_rank_on_all_cores, save_figure, write_json
 
 
 def main() -> None:
@@ -35,20 +34,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from hybrid_rl.env import setup_process_env
-
-    setup_process_env(threads_per_rank=os.cpu_count() or 1)
+    ctx, path, vocab = one_rank_on_all_cores(args.preset)
     import torch
-    from transformers import AutoConfig
 
     from hybrid_rl.batch import Sample, collate
-    from hybrid_rl.dist import init_distributed
     from hybrid_rl.engine.builders import build_policy_engine
-    from hybrid_rl.models.tiny import tiny_model_path
-
-    ctx = init_distributed("cpu")
-    path = str(tiny_model_path(args.preset))
-    vocab = AutoConfig.from_pretrained(path).vocab_size
     dtype = None if args.param_dtype == "null" else args.param_dtype
     rows = []
     for ratio in [float(x) for x in args.ratios.split(",")]:

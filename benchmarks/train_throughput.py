@@ -16,11 +16,10 @@ Reports real (non-pad) tokens per second; writes results/train_throughput.json a
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
-from benchmarks.common import actor_config, figure, machine_info, model_config, save_figure, write_json
+from benchmarks.common import actor_config, figure, machine_info, model_config, one_rank_on_all_cores, save_figure, write_json
 
 
 def main() -> None:
@@ -34,19 +33,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from hybrid_rl.env import setup_process_env
-
-    setup_process_env(threads_per_rank=os.cpu_count() or 1)
+    ctx, path, vocab = one_rank_on_all_cores(args.preset)
     from hybrid_rl.batch import Sample, collate
-    from hybrid_rl.dist import init_distributed
     from hybrid_rl.engine.builders import build_policy_engine
-    from hybrid_rl.models.tiny import tiny_model_path
-
-    ctx = init_distributed("cpu")
-    path = str(tiny_model_path(args.preset))
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(path).vocab_size
     rng = random.Random(0)
     samples = []
     for g in range(args.rows):
