@@ -107,9 +107,11 @@ def summary() -> list[dict]:
     for path in sorted(RESULTS.glob("vs_trl_*.json")):
         d = load_result(path.stem)
         s = d["settings"]
+        target = s["preset"] == "base"  # the 3x is for the 101M preset
         for k, v in d["trl_over_hybrid"].items():
             rows.append({"figure": f"{d['trl_reference']} step / {k} step ({s['preset']}, {s['max_tokens']} tokens)",
-                         "measured": v, "target": ">= 3", "met": v >= 3})  # fmt: skip
+                         "measured": v, "target": ">= 3" if target else "(target is for 101M)",
+                         "met": v >= 3 if target else None})  # fmt: skip
     return rows
 
 

@@ -50,10 +50,10 @@ def test_every_module_has_a_layer():
 def test_vllm_is_imported_only_in_the_rollout_folder():
     offenders = [
         f"{p.relative_to(ROOT)}:{line}"
-        for p in [*SOURCES, *(ROOT / "benchmarks").rglob("*.py")]
+        # the project's own benchmark scripts; not benchmarks/.deps (TRL installed there by vs_trl)
+        for p in [*SOURCES, *(ROOT / "benchmarks").glob("*.py")]
         for line, mod in imports(p)
-        if (mod == "vllm" or mod.startswith("vllm.")) and unit(p) != "rollout"
-        if PKG in p.parents or p.parent.name == "benchmarks"
+        if (mod == "vllm" or mod.startswith("vllm.")) and (PKG not in p.parents or unit(p) != "rollout")
     ]
     assert not offenders, f"vllm imported outside hybrid_rl/rollout/: {offenders}"
 
