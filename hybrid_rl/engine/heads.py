@@ -190,12 +190,15 @@ class PrefixLayout(NamedTuple):
     real: Tensor  # [B * T] bool: a real token
 
 
-def prefix_layout(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> PrefixLayout:
+def prefix_layout(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, groups: tuple[Tensor, Tensor] | None = None
+) -> PrefixLayout:
     """The plan for rows ``[B, T]`` of a TrainBatch (left-padded prompts in the first
-    ``prompt_len`` columns, right-padded responses after them)."""
+    ``prompt_len`` columns, right-padded responses after them); ``groups`` is
+    :func:`prompt_groups` of them if already computed."""
     b, t = input_ids.shape
     p = prompt_len
-    first, inverse = prompt_groups(input_ids, attention_mask, p)
+    first, inverse = groups if groups is not None else prompt_groups(input_ids, attention_mask, p)
     mask_cpu = attention_mask.bool().cpu()
     prompt_cols = [torch.nonzero(mask_cpu[r, :p]).flatten() for r in first.tolist()]
     resp_cols = [p + torch.nonzero(mask_cpu[r, p:]).flatten() for r in range(b)]
@@ -270,7 +273,12 @@ def shared_prefix_unsupported(lm: nn.Module) -> str | None:
 
 
 def shared_prefix_hidden(
-    body: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int
+    body: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    prompt_len: int,
+    groups: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Last hidden states ``[B, T, H]`` with each distinct prompt computed once, padding-free.
 
@@ -285,7 +293,7 @@ def shared_prefix_hidden(
     padding; a prompt's states repeated on each of its rows). Verl's prefix grouper computes the
     same split of attention.
     """
-    lay = prefix_layout(input_ids, attention_mask, position_ids, prompt_len)
+    lay = prefix_layout(input_ids, attention_mask, position_ids, prompt_len, groups)
     config = body.config
     saved = config._attn_implementation
     config._attn_implementation = "hybrid_rl_prefix"
@@ -305,8 +313,9 @@ def hidden_states(
     """``[B, T, H]``: :func:`shared_prefix_hidden` when asked and some rows share a prompt, else
     :func:`body_hidden` (packed or padded)."""
     if shared_prefix and input_ids.shape[0] > 1 and prompt_len < input_ids.shape[1]:
-        if prompt_groups(input_ids, attention_mask, prompt_len)[0].shape[0] < input_ids.shape[0]:
-            return shared_prefix_hidden(body, input_ids, attention_mask, position_ids, prompt_len)
+        groups = prompt_groups(input_ids, attention_mask, prompt_len)
+        if groups[0].shape[0] < input_ids.shape[0]:  # some rows share a prompt
+            return shared_prefix_hidden(body, input_ids, attention_mask, position_ids, prompt_len, groups)
     return body_hidden(body, input_ids, attention_mask, position_ids, packing)
 
 

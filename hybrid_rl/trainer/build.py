@@ -165,9 +165,7 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rewards.pool import RewardPool
 
-    precision = resolve_precision(cfg, ctx.device.type)
-    if ctx.is_main:
-        log.info(precision)
+    resolve_precision(cfg, ctx.device.type)  # main.run resolved and logged it already; direct callers too
     torch.manual_seed(cfg.trainer.seed + ctx.rank)
     random.seed(cfg.trainer.seed + ctx.rank)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code)

@@ -277,32 +277,39 @@ class RLTrainer:
     def throughput(self, rollout: Rollout, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
         # Model-written tokens (tool output excluded); clip_ratio: responses cut at the budget.
         lengths = torch.tensor([sum(s.response_mask) for s in rollout.samples], dtype=torch.float32)
-        gen_tokens, train_tokens = all_reduce_sum([float(lengths.sum()), float(batch.attention_mask.sum())])
-        m = self.flop_rates(rollout, timer) if self.flops is not None else {}
-        return m | {
+        epochs = self.cfg.actor.epochs
+        local = [float(lengths.sum()), float(batch.attention_mask.sum()) * epochs, *self.flop_counts(rollout)]
+        gen_tokens, train_tokens, update_flops, gen_flops = all_reduce_sum(local)  # one collective for all four
+
+        def per_s(amount: float, phase: str) -> float:
+            return amount / max(timer.seconds.get(phase, 1e-9), 1e-9)
+
+        m = {
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
-            "rollout/tokens_per_s": gen_tokens / max(timer.seconds.get("generate", 1e-9), 1e-9),
-            "train/tokens_per_s": train_tokens * self.cfg.actor.epochs / max(timer.seconds.get("update", 1e-9), 1e-9),
+            "rollout/tokens_per_s": per_s(gen_tokens, "generate"),
+            "train/tokens_per_s": per_s(train_tokens, "update"),
         }
+        if self.flops is not None:
+            m["perf/update_tflops_per_s"] = per_s(update_flops, "update") / 1e12
+            m["perf/generate_tflops_per_s"] = per_s(gen_flops, "generate") / 1e12
+        return m
 
-    def flop_rates(self, rollout: Rollout, timer: PhaseTimer) -> dict[str, float]:
-        """Achieved model FLOP/s of the policy update (forward + backward, all epochs; with the
+    def flop_counts(self, rollout: Rollout) -> list[float]:
+        """This rank's model FLOPs of the policy update (forward + backward, all epochs; with the
         shared-prefix forward each group's prompt counts once, as it is computed once) and of
-        generation (:mod:`hybrid_rl.engine.flops`), over all ranks; MFU is this over the
-        hardware's peak (benchmarks/precision.py measures both in one run)."""
+        generation (:mod:`hybrid_rl.engine.flops`); over the phases' times they are the achieved
+        FLOP/s, whose ratio to the hardware's peak is MFU (benchmarks/precision.py measures both)."""
+        if self.flops is None:
+            return [0.0, 0.0]
         s = rollout.samples
         prompt = [len(x.prompt_ids) for x in s]
         response = [len(x.response_ids) for x in s]
         groups = [x.group for x in s]
         shared = getattr(self.actor.module, "shared_prefix", False)
         train = self.flops.train_shared_prefix(prompt, response, groups) if shared else self.flops.train([x.text_len for x in s])
-        update, generate = all_reduce_sum([train * self.cfg.actor.epochs, self.flops.generate(prompt, response, groups)])
-        return {
-            "perf/update_tflops_per_s": update / max(timer.seconds.get("update", 1e-9), 1e-9) / 1e12,
-            "perf/generate_tflops_per_s": generate / max(timer.seconds.get("generate", 1e-9), 1e-9) / 1e12,
-        }
+        return [train * self.cfg.actor.epochs, self.flops.generate(prompt, response, groups)]
 
     def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
         """Mean over ranks, except token counts (summed), throughput (already global) and memory
