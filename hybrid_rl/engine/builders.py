@@ -80,7 +80,7 @@ def _seeded_normal(std: float, seed: int = 0):
 
 def use_shared_prefix(lm, actor_cfg, ctx: DistContext) -> bool:
     """``actor.shared_prefix``, unless the model cannot run it (then say why, once, and pack)."""
-    from hybrid_rl.engine.heads import shared_prefix_unsupported
+    from hybrid_rl.engine.shared_prefix import shared_prefix_unsupported
 
     if not actor_cfg.shared_prefix:
         return False

@@ -1,4 +1,4 @@
-"""Shared-prefix training forward (hybrid_rl/engine/heads.py:shared_prefix_hidden): each distinct
+"""Shared-prefix training forward (hybrid_rl/engine/shared_prefix.py): each distinct
 prompt runs through the body once and its G responses attend to its cached keys and values. It must
 give the plain forward's log-probs, entropies and gradients (fp32, 1e-5) on the real micro model,
 for the policy and the critic, with left-padded prompts of different lengths, right-padded
@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from hybrid_rl.engine.heads import PolicyModule, ValueModule, prompt_groups
+from hybrid_rl.engine.heads import PolicyModule, ValueModule
+from hybrid_rl.engine.shared_prefix import prompt_groups
 
 pytestmark = pytest.mark.unit
 
