@@ -28,12 +28,11 @@ def worker(args: argparse.Namespace) -> None:
     from hybrid_rl.env import setup_process_env
 
     setup_process_env(threads_per_rank=1)
-    import torch
 
     from benchmarks.common import actor_config, model_config
     from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss
     from hybrid_rl.batch import Sample, collate
-    from hybrid_rl.dist import barrier, init_distributed
+    from hybrid_rl.dist import barrier, finish_rank, init_distributed
     from hybrid_rl.engine.builders import build_policy_engine
     from hybrid_rl.models.tiny import tiny_model_path
     from hybrid_rl.trainer import checkpoint as ckpt
@@ -64,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
         out = {"preset": args.preset, "params": params, "ranks": ctx.world_size, "bytes": size, "save_s": saves, "load_s": loads}
         Path(args.out).write_text(json.dumps(out))
     barrier()
-    torch.distributed.destroy_process_group()
+    finish_rank(0)
 
 
 def run_preset(preset: str, ranks: int, repeats: int) -> dict:

@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=128)
     args = ap.parse_args()
     setup_process_env(threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "2")))
-    from hybrid_rl.dist import init_distributed, shutdown_distributed
+    from hybrid_rl.dist import finish_rank, init_distributed
 
     ctx = init_distributed(args.device)
     out = Path(args.out)
@@ -207,8 +207,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in res.items() if k not in ("phases", "traceback")}), flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    shutdown_distributed()
-    sys.exit(0 if ok else 1)
+    finish_rank(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss
     from hybrid_rl.batch import Sample, collate
     from hybrid_rl.config import ModelConfig
-    from hybrid_rl.dist import all_gather_objects, barrier, init_distributed
+    from hybrid_rl.dist import all_gather_objects, barrier, finish_rank, init_distributed
     from hybrid_rl.engine.builders import build_policy_engine
     from hybrid_rl.hybrid.switch import trim_host_heap
     from hybrid_rl.models.tiny import tiny_model_path
@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
                "sharded_init": args.sharded_init, "optimizer": args.optimizer, "ranks": ranks}  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     barrier()
-    torch.distributed.destroy_process_group()
+    finish_rank(0)
 
 
 def run_world(

@@ -75,6 +75,29 @@ def shutdown_distributed() -> None:
             pass
 
 
+def finish_rank(code: int = 0) -> None:
+    """End a torchrun rank: destroy the group, flush stdio and logging, then ``os._exit(code)``.
+
+    Interpreter teardown after ``destroy_process_group()`` sometimes aborts with "terminate called
+    without an active exception" (SIGABRT: gloo's worker threads outlive the interpreter; pytorch
+    issue 190489, PR 179291), and an in-process vLLM engine's atexit hook tears the group down
+    mid-exit. Either turns a finished rank's exit status into a failure, so torchrun reports a run
+    that completed as failed. Everything a run must keep (checkpoints, metrics files, the tracker)
+    is written and closed before this is called; only the teardown is skipped.
+    """
+    import logging
+    import sys
+
+    shutdown_distributed()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 def all_reduce_sum(values: list[float], device: torch.device | None = None) -> list[float]:
     """Sum a list of floats over ranks (one collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

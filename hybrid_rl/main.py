@@ -84,7 +84,7 @@ def run(cfg: DictConfig) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 1) // max(world, 1)))
     from hybrid_rl.config import resolve_precision
-    from hybrid_rl.dist import init_distributed, shutdown_distributed
+    from hybrid_rl.dist import finish_rank, init_distributed, shutdown_distributed
     from hybrid_rl.errors import HybridRLError
     from hybrid_rl.tasks import TASKS
 
@@ -96,8 +96,12 @@ def run(cfg: DictConfig) -> None:
         TASKS[cfg.trainer.task](cfg, ctx)
     except HybridRLError as e:  # expected: one line naming what is at fault, exit 2
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
+        if "LOCAL_RANK" in os.environ:
+            finish_rank(2)
         shutdown_distributed()
         sys.exit(2)
+    if "LOCAL_RANK" in os.environ:  # a torchrun rank: skip the teardown that can abort (finish_rank)
+        finish_rank(0)
     shutdown_distributed()
 
 

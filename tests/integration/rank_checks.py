@@ -27,7 +27,7 @@ from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss  # noqa: E4
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS  # noqa: E402
 from hybrid_rl.batch import Sample, collate  # noqa: E402
 from hybrid_rl.config import LOSS_AGG_MODES, ActorConfig, AlgorithmConfig, ModelConfig  # noqa: E402
-from hybrid_rl.dist import all_gather_objects, all_reduce_sum, init_distributed  # noqa: E402
+from hybrid_rl.dist import all_gather_objects, all_reduce_sum, barrier, finish_rank, init_distributed  # noqa: E402
 from hybrid_rl.engine.builders import build_policy_engine  # noqa: E402
 from hybrid_rl.models.tiny import tiny_model_path  # noqa: E402
 from hybrid_rl.trainer.rl import RLTrainer  # noqa: E402
@@ -184,6 +184,8 @@ def main() -> None:
     if ctx.rank == 0:
         with open(out_path, "w") as fh:
             json.dump(report, fh)
+    barrier()
+    finish_rank(0)
 
 
 if __name__ == "__main__":
