@@ -255,6 +255,9 @@ class PreferenceConfig:
     pairs_per_prompt: int = 4
     # Held-out share of the built preference set.
     val_fraction: float = 0.1
+    # Sampling seed of the built set; null = trainer.seed. Fixing it lets reward models trained
+    # with different trainer.seed (an ensemble's members) share one preference set.
+    seed: int | None = None
 
 
 @dataclass
@@ -263,6 +266,14 @@ class RewardModelConfig:
     # *ForSequenceClassification folder, or builtin:tiny-rm (built once by the rm_math recipe); null = off.
     path: str | None = None
     weight: float = 1.0
+    # More reward models (local folders or builtin:tiny-rm) scored with `path`; the learned reward
+    # is their ensemble (hybrid_rl/rewards/ensemble.py; Coste et al. 2024): mean | min (worst
+    # case) | uwo (mean - ensemble_var_coef * variance over the models), each model's scores
+    # standardised over the step's batch first when ensemble_normalize (offsets differ by seed).
+    ensemble: list[str] = field(default_factory=list)
+    ensemble_reduce: str = "mean"
+    ensemble_var_coef: float = 1.0
+    ensemble_normalize: bool = True
 
 
 @dataclass

@@ -17,7 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Cross-field checks; raises :class:`ConfigError` naming the fields."""
-    problems = _common(cfg) + _precision(cfg) + _agent(cfg)
+    problems = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward_model(cfg)
     if cfg.trainer.task == "rl":
         problems += _rl_algorithm(cfg) + _rl_sampling(cfg) + _rl_batching(cfg, world_size)
     if problems:
@@ -64,6 +64,19 @@ def _precision(cfg: Any) -> list[str]:
     if cfg.actor.reduce_dtype is not None and cfg.actor.reduce_dtype not in DTYPES:
         problems.append(f"actor.reduce_dtype={cfg.actor.reduce_dtype!r} must be float32, bfloat16 or float16")
     return problems
+
+
+def _reward_model(cfg: Any) -> list[str]:
+    from hybrid_rl.rewards.ensemble import ENSEMBLE_REDUCERS
+
+    rm = cfg.reward.reward_model
+    checks = [
+        (bool(rm.ensemble) and not rm.path, "reward.reward_model.ensemble needs reward.reward_model.path (the first model)"),
+        (rm.ensemble_reduce not in ENSEMBLE_REDUCERS,
+         f"reward.reward_model.ensemble_reduce={rm.ensemble_reduce!r} must be one of {', '.join(sorted(ENSEMBLE_REDUCERS))}"),
+        (rm.ensemble_var_coef < 0, f"reward.reward_model.ensemble_var_coef={rm.ensemble_var_coef} must be >= 0"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
 
 
 def _agent(cfg: Any) -> list[str]:

@@ -60,9 +60,9 @@ def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
 def run_rl(cfg: Any, ctx: DistContext) -> dict[str, float]:
     from hybrid_rl.trainer.rl import RLTrainer
 
-    rm = cfg.reward.reward_model.path
-    rm_path = resolve_builtin(rm, cfg, ctx) if rm and rm.startswith("builtin:") else rm
-    trainer = RLTrainer(cfg, ctx, build_rl_parts(cfg, ctx, resolve_model_path(cfg, ctx), rm_path))
+    rm = cfg.reward.reward_model
+    rm_paths = [resolve_builtin(p, cfg, ctx) if p.startswith("builtin:") else p for p in ([rm.path] if rm.path else []) + list(rm.ensemble)]
+    trainer = RLTrainer(cfg, ctx, build_rl_parts(cfg, ctx, resolve_model_path(cfg, ctx), rm_paths))
     try:
         return trainer.fit()
     finally:

@@ -172,8 +172,9 @@ def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int,
             )
     except Exception as e:
         raise ModelPathError(f"reward model {path!r}: cannot load it ({type(e).__name__}: {e})") from e
-    # A causal LM's checkpoint has no score head: a fresh one (HF's init, seeded, the same on every rank).
-    fresh = {"rm.score.weight": _seeded_normal(getattr(model.config, "initializer_range", 0.02))}
+    # A causal LM's checkpoint has no score head: a fresh one (HF's init, seeded by trainer.seed so
+    # the members of a reward-model ensemble start apart, the same on every rank).
+    fresh = {"rm.score.weight": _seeded_normal(getattr(model.config, "initializer_range", 0.02), cfg.trainer.seed)}
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     a = cfg.actor
     return FSDPEngine(

@@ -141,7 +141,7 @@ class RLParts:
     switch: Any  # hybrid.switch.HybridSwitch
     reward_pool: Any  # rewards.pool.RewardPool
     val_pool: Any  # the verifier's pool for held-out accuracy
-    reward_model: Any | None  # learned reward model (reward.reward_model.path)
+    reward_models: list[Any]  # learned reward models (reward.reward_model.path, then .ensemble); [] = none
 
 
 def optimizer_steps(cfg: Any) -> int:
@@ -150,7 +150,7 @@ def optimizer_steps(cfg: Any) -> int:
     return cfg.trainer.total_steps * cfg.actor.epochs * max(1, samples // (cfg.actor.mini_batch_size or samples))
 
 
-def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_path: str | None = None) -> RLParts:
+def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_paths: list[str] | None = None) -> RLParts:
     """Tokenizer, prompts, the FSDP2 engines (actor, reference, critic, reward model), the
     rollout engine, the switch between them and the reward pools, for ``model_path``."""
     import random
@@ -189,6 +189,6 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     # Held-out accuracy is always the verifier's, whatever the training reward is.
     verifier = {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}}
     val_pool = pool if any(f.name == "math" for f in cfg.reward.functions) else RewardPool(OmegaConf.merge(cfg.reward, verifier))
-    rm = build_reward_engine(reward_model_path, cfg, ctx, 1, trainable=False) if reward_model_path else None
+    rms = [build_reward_engine(p, cfg, ctx, 1, trainable=False) for p in reward_model_paths or []]
     sampler = PromptSampler(len(train), d.train_batch_size, d.seed, d.shuffle)
-    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rm)
+    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rms)

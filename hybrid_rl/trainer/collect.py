@@ -20,9 +20,10 @@ import torch
 from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty
 from hybrid_rl.batch import Rollout, collate
 from hybrid_rl.data.dataset import PromptSampler
-from hybrid_rl.dist import DistContext, all_gather_objects, raise_if_any_failed
+from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, raise_if_any_failed
 from hybrid_rl.faults import maybe_fail
 from hybrid_rl.hybrid.switch import HybridSwitch
+from hybrid_rl.rewards.ensemble import batch_moments, ensemble_reward, standardize
 from hybrid_rl.rewards.pool import RewardPool
 from hybrid_rl.rollout.agent import AgentLoop
 from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec, prompt_seed
@@ -56,12 +57,12 @@ class RolloutCollector:
         train_records: list[Any],
         sampler: PromptSampler,
         reward_pool: RewardPool,
-        reward_model: Any = None,
+        reward_models: list | None = None,
     ) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.engine, self.switch, self.tokenizer, self.tools = engine, switch, tokenizer, tools
         self.train_records, self.sampler = train_records, sampler
-        self.reward_pool, self.reward_model = reward_pool, reward_model
+        self.reward_pool, self.reward_models = reward_pool, list(reward_models or [])
         self.step_idx = 0
 
     @property
@@ -226,7 +227,7 @@ class RolloutCollector:
             a.overlong_buffer,
             a.overlong_penalty_factor,
         )
-        learned = self.score_with_reward_model(samples)
+        learned, members, z = self.score_with_reward_models(samples)
         for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):
             s.score, s.reward_extra = r.score + p + lr, {**r.components, **r.extra}
         self.reward_pool.check_failures(results)
@@ -240,14 +241,26 @@ class RolloutCollector:
         }
         for name in results[0].components:
             m[f"reward/{name}"] = sum(r.components[name] for r in results) / len(results)
-        if self.reward_model is not None:
+        if self.reward_models:
             m["reward/reward_model"] = float(learned.mean())
+        if len(self.reward_models) > 1:  # each model's raw score, and how much they disagree
+            m.update({f"reward/reward_model_{i}": float(s.mean()) for i, s in enumerate(members)})
+            m["reward/reward_model_disagreement"] = float(z.std(0, unbiased=False).mean())
         return m
 
-    def score_with_reward_model(self, samples: list) -> torch.Tensor:
-        """The learned reward model's score for each (prompt, response), on the training devices
-        (weighted by reward.reward_model.weight); zeros when there is none."""
-        if self.reward_model is None:
-            return torch.zeros(len(samples))
+    def score_with_reward_models(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The learned reward ``[B]`` for each (prompt, response): scored on the training devices
+        by every reward model (``members``, ``[M, B]``), combined by the ensemble's reduction,
+        times reward.reward_model.weight; zeros when there is none. With M > 1 also the members'
+        scores standardised with this step's mean and std over every rank (``[M, B]``)."""
+        if not self.reward_models:
+            return torch.zeros(len(samples)), torch.zeros(0, len(samples)), None
         batch = collate(samples, self.tokenizer.pad_token_id)
-        return self.reward_model.forward_outputs(batch).scores * self.cfg.reward.reward_model.weight
+        members = torch.stack([rm.forward_outputs(batch).scores.float() for rm in self.reward_models])
+        rm = self.cfg.reward.reward_model
+        if len(self.reward_models) == 1:
+            return members[0] * rm.weight, members, None
+        flat = all_reduce_sum(torch.cat(batch_moments(members)).tolist())  # one collective: every rank's scores
+        moments = tuple(torch.tensor(flat, dtype=members.dtype).view(3, -1))
+        reward = ensemble_reward(members, rm.ensemble_reduce, rm.ensemble_var_coef, rm.ensemble_normalize, moments)
+        return reward * rm.weight, members, standardize(members, moments)

@@ -37,6 +37,11 @@ _ENGINES: list[Any] = []
 
 
 # ------------------------------------------------------------------ data
+def set_seed(cfg: Any) -> int:
+    """The built preference set's sampling seed: preference.seed, else trainer.seed."""
+    return cfg.preference.seed if cfg.preference.seed is not None else cfg.trainer.seed
+
+
 def preference_files(cfg: Any, ctx: DistContext, model_path: str, tok: Any) -> tuple[list[Path], list[Path]]:
     """The train/val preference files; builds the default set from the SFT model on first use."""
     d = cfg.data
@@ -49,7 +54,7 @@ def preference_files(cfg: Any, ctx: DistContext, model_path: str, tok: Any) -> t
         "pairs": pr.pairs_per_prompt,
         "list": pr.list_size,
         "val": pr.val_fraction,
-        "seed": cfg.trainer.seed,
+        "seed": set_seed(cfg),
         "synth": OmegaConf.to_container(d.synth, resolve=True),
     }
     out = synthetic_preference_dir(model_path, settings)
@@ -72,7 +77,7 @@ def _generate_preference_rows(cfg: Any, ctx: DistContext, model_path: str, tok: 
 
     synth_paths = resolve_files(["builtin:synth_math"], "train", cfg.data.synth)
     records, _ = load_prompts(synth_paths, tok, cfg.data, limit=pr.n_prompts)
-    engine = build_rollout_engine(model_path, cfg, ctx, max_model_len(cfg, model_path), cfg.trainer.seed)
+    engine = build_rollout_engine(model_path, cfg, ctx, max_model_len(cfg, model_path), set_seed(cfg))
     _ENGINES.append(engine)
     pool = RewardPool(cfg.reward)
     try:
@@ -84,7 +89,7 @@ def _generate_preference_rows(cfg: Any, ctx: DistContext, model_path: str, tok: 
             pool,
             pr.samples_per_prompt,
             pr.list_size,
-            cfg.trainer.seed + ctx.rank,
+            set_seed(cfg) + ctx.rank,
             pr.pairs_per_prompt,
         )
     finally:

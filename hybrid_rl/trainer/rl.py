@@ -68,7 +68,7 @@ class RLTrainer:
         self.val_records = parts.val_records
         self.collector = RolloutCollector(
             cfg, ctx, parts.rollout_engine, parts.switch, parts.tokenizer, parts.tools, parts.train_records, parts.sampler,
-            parts.reward_pool, parts.reward_model,
+            parts.reward_pool, parts.reward_models,
         )  # fmt: skip
         a = cfg.algorithm
         self.critic_loss_fn = make_critic_loss(cfg.critic) if parts.critic is not None else None

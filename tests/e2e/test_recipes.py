@@ -75,6 +75,8 @@ def test_transformers_rollout_backend_trains(tmp_path, recipe):
 
 
 def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
+    """rm_math trains a reward model; rlhf_ppo scores with it and a second one (an untrained
+    head on the base model) as a worst-case ensemble, standardised over both ranks' batch."""
     from tests.e2e.test_preference import write_pairs
 
     write_pairs(tmp_path / "pairs.jsonl", 64, 0)
@@ -100,10 +102,15 @@ def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
             "rlhf_ppo",
             "reward.functions=[]",
             f"reward.reward_model.path={tmp_path / 'rm' / 'hf'}",
+            "reward.reward_model.ensemble=[builtin:tiny]",
+            "reward.reward_model.ensemble_reduce=min",
             "critic.warmup_steps=0",
         )
         if "weights_version" in r
     ]
     assert all("reward/reward_model" in r and "reward/kl" in r for r in rows)
+    # two different models scored every step; the min of standardised scores is below their mean (0)
+    assert all(r["reward/reward_model_0"] != r["reward/reward_model_1"] and r["reward/reward_model_disagreement"] > 0 for r in rows)
+    assert all(r["reward/reward_model"] < 0 for r in rows)
     assert rows[0]["reward/kl_coef"] == pytest.approx(0.01)
     assert rows[1]["reward/kl_coef"] != rows[0]["reward/kl_coef"]  # the adaptive controller moved it

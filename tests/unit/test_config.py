@@ -130,6 +130,8 @@ def test_unknown_recipe_lists_available():
         (["model.dtype=bfloat16"], 1, "model.dtype=bfloat16 was removed"),
         (["rollout.dtype=fp8"], 1, "rollout.dtype"),
         (["critic.loss_agg_mode=mean"], 1, "critic.loss_agg_mode"),
+        (["reward.reward_model.ensemble=[/a]"], 1, "reward.reward_model.ensemble needs reward.reward_model.path"),
+        (["+recipe=rlhf_ppo", "reward.reward_model.ensemble_reduce=max"], 1, "reward.reward_model.ensemble_reduce='max'"),
     ],
 )
 def test_contradictory_settings_are_named(overrides, world, needle):
