@@ -6,7 +6,7 @@ RECIPE ?= grpo_math
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slurm lint soak gpu-check gpu-wheels bench compare clean
+.PHONY: setup demo test test-all test-slurm lint soak gpu-check gpu-wheels bench compare rlhf-mitigations clean
 
 setup:
 	bash scripts/setup_env.sh $(VENV) dev
@@ -49,6 +49,10 @@ bench: setup
 # run python -m benchmarks.compare_algorithms --steps 50 --recipes grpo_math,ppo_math.
 compare: setup
 	$(PY) -m benchmarks.compare_algorithms
+
+# RLHF-PPO over-optimisation and its mitigations (~35 min): results/rlhf_mitigations.json and .png.
+rlhf-mitigations: setup
+	$(PY) -m benchmarks.rlhf_mitigations
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache
