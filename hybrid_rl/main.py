@@ -92,17 +92,17 @@ def run(cfg: DictConfig) -> None:
     precision = resolve_precision(cfg, ctx.device.type)
     if ctx.is_main:
         log.info(precision)
+    code = 0
     try:
         TASKS[cfg.trainer.task](cfg, ctx)
     except HybridRLError as e:  # expected: one line naming what is at fault, exit 2
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
-        if "LOCAL_RANK" in os.environ:
-            finish_rank(2)
-        shutdown_distributed()
-        sys.exit(2)
+        code = 2
     if "LOCAL_RANK" in os.environ:  # a torchrun rank: skip the teardown that can abort (finish_rank)
-        finish_rank(0)
+        finish_rank(code)
     shutdown_distributed()
+    if code:
+        sys.exit(code)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
