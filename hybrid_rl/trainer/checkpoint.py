@@ -7,10 +7,13 @@ Layout under ``<output_dir>/checkpoints``::
       model+optim shards    DCP files, one per rank
       trainer_rank<r>.pt    step, data position, RNG states, controller state (per rank)
     .step_000012.tmp/       an unfinished one (a crash mid-save): never picked up, removed later
+    .step_000004.old/       one being deleted (pruned or replaced): never picked up, removed later
 
 A save writes into the temporary directory, then rank 0 writes the manifest, fsyncs and renames
 the directory into place (atomic on POSIX), so a checkpoint is either whole or invisible.
-``keep_last`` bounds how many are kept.
+Deleting one is the same in reverse: it is renamed out of sight first, then removed, so a kill
+in the middle of the removal cannot leave a manifest next to missing shards. ``keep_last``
+bounds how many are kept.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file():
             try:
-                json.loads((p / MANIFEST).read_text())
+                manifest = json.loads((p / MANIFEST).read_text())
             except (json.JSONDecodeError, OSError):
                 continue
-            found.append(p)
+            if all((p / name).is_file() for name in manifest.get("files", [])):
+                found.append(p)
     return sorted(found, key=lambda p: p.name)
 
 
@@ -88,21 +92,32 @@ def save_checkpoint(
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        old = _hide(final) if final.exists() else None  # the same step saved again
         os.replace(tmp, final)
         _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last)
     barrier()
     return final
 
 
+def _hide(ckpt_dir: Path) -> Path:
+    """Rename a finished checkpoint out of sight (atomic) before it is removed."""
+    hidden = ckpt_dir.with_name(f".{ckpt_dir.name}.old")
+    if hidden.exists():
+        shutil.rmtree(hidden)
+    os.replace(ckpt_dir, hidden)
+    _fsync_dir(ckpt_dir.parent)
+    return hidden
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    for stale in root.glob(".step_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
         for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _hide(old)
+    for stale in [*root.glob(".step_*.tmp"), *root.glob(".step_*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, app_state: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -79,6 +79,7 @@ class RLTrainer:
         self.step_idx = 0
         self.stop_requested = False
         self.last_save = time.monotonic()
+        self.saved_step: int | None = None  # the step the newest checkpoint holds
         self.logger = MetricsLogger(
             cfg.logger, self.out_dir, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.total_steps, ctx.is_main
         )
@@ -349,7 +350,12 @@ class RLTrainer:
             states["critic"] = ckpt.AppState(self.critic)
         return states
 
-    def save(self) -> Path:
+    def save(self) -> None:
+        """Checkpoint the current step, unless it is already on disk (a stop right after a
+        scheduled save, or a resume at ``total_steps``): saving it twice would only open a window
+        in which the one good copy is being replaced."""
+        if self.saved_step == self.step_idx:
+            return
         if not self.actor.params_finite():
             raise NumericalError(f"step {self.step_idx}: the policy has non-finite parameters; refusing to write a checkpoint")
         maybe_fail("save", self.step_idx, self.ctx.rank)
@@ -363,9 +369,9 @@ class RLTrainer:
             self.ctx.world_size,
         )
         self.last_save = time.monotonic()
+        self.saved_step = self.step_idx
         if self.ctx.is_main:
             log.info("saved checkpoint %s", path)
-        return path
 
     def _maybe_resume(self) -> None:
         mode = self.cfg.trainer.resume
@@ -375,7 +381,7 @@ class RLTrainer:
         if path is None:
             return
         state = ckpt.load_checkpoint(path, self.app_states(), self.ctx.rank)
-        self.step_idx = int(state["step"])
+        self.step_idx = self.saved_step = int(state["step"])
         self.kl_ctrl.value = float(state["kl_coef"])
         ckpt.restore_rl_run_state(state, self.parts)
         self.switch.to_rollout()  # the engine was built from the initial weights: push the resumed ones

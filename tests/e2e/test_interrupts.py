@@ -99,6 +99,9 @@ def test_interrupt_then_resume_matches_uninterrupted(reference, tmp_path, how):
         assert "checkpoint after the current step" in output
         assert saved < STEPS, "the run was not stopped early"
         assert max(step_rows(tmp_path)) == saved  # it stopped right after the checkpointed step
+        # save_every=1: that step was saved on schedule, and the stop does not write it again
+        # (replacing the one good copy opened a window in which a kill left it without a shard)
+        assert output.count(f"saved checkpoint {tmp_path / 'checkpoints' / ckpts[-1]}") == 1, output[-3000:]
     p = subprocess.run(cmd(tmp_path), capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
     assert f"at step {saved}" in p.stderr + p.stdout  # resumed from the saved step
