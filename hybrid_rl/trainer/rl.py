@@ -44,7 +44,7 @@ from hybrid_rl.trainer import checkpoint as ckpt
 from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.logger import MetricsLogger
-from hybrid_rl.trainer.validation import evaluate
+from hybrid_rl.trainer.validation import evaluate, paired_gain
 
 log = logging.getLogger("hybrid_rl")
 
@@ -80,6 +80,7 @@ class RLTrainer:
         self.stop_requested = False
         self.last_save = time.monotonic()
         self.saved_step: int | None = None  # the step the newest checkpoint holds
+        self.val_start_hits: torch.Tensor | None = None  # the run's first validation, per problem
         self.logger = MetricsLogger(
             cfg.logger, self.out_dir, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.total_steps, ctx.is_main
         )
@@ -325,9 +326,12 @@ class RLTrainer:
 
     # ================================================================ validation
     def validate(self) -> dict[str, float]:
+        """Held-out metrics; from the second validation on also ``val/gain`` and ``val/gain_se``,
+        the greedy accuracy gain since the run's first validation (step 0 with
+        ``trainer.val_before_train``) and its paired standard error (same problems both times)."""
         r = self.cfg.rollout
         start = time.perf_counter()
-        out = evaluate(
+        out, hits = evaluate(
             self.collector.val_sampler(),
             self.val_records,
             self.val_pool,
@@ -340,6 +344,10 @@ class RLTrainer:
             shard=(self.collector.dp_rank, self.collector.dp_size),
             count=self.ctx.rank % self.collector.tp == 0,
         )
+        if self.val_start_hits is None or self.val_start_hits.shape != hits.shape:
+            self.val_start_hits = hits
+        else:
+            out["val/gain"], out["val/gain_se"] = paired_gain(self.val_start_hits, hits)
         out["timing/validate"] = time.perf_counter() - start
         return out
 
@@ -363,7 +371,7 @@ class RLTrainer:
             self.out_dir / "checkpoints",
             self.step_idx,
             self.app_states(),
-            ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value),
+            ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value) | {"val_start_hits": self.val_start_hits},
             self.cfg.trainer.keep_last,
             self.ctx.rank,
             self.ctx.world_size,
@@ -384,6 +392,7 @@ class RLTrainer:
         self.step_idx = self.saved_step = int(state["step"])
         self.kl_ctrl.value = float(state["kl_coef"])
         ckpt.restore_rl_run_state(state, self.parts)
+        self.val_start_hits = state.get("val_start_hits")  # absent in checkpoints of older versions
         self.switch.to_rollout()  # the engine was built from the initial weights: push the resumed ones
         dropped = self.logger.truncate_after(self.step_idx)
         barrier()

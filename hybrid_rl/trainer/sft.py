@@ -111,7 +111,7 @@ def _evaluate_export(cfg: Any, ctx: DistContext, hf_dir: str, tok: Any) -> dict[
             cfg.rollout.val_pass_k,
             cfg.rollout.temperature,
             cfg.trainer.seed,
-        )
+        )[0]
     finally:
         pool.close()
         barrier()

@@ -1,0 +1,64 @@
+"""Held-out evaluation: per-problem hits in record order whatever the sharding, the accuracy's
+standard error, and the paired gain between two evaluations of the same problems."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybrid_rl.data.dataset import PromptRecord
+from hybrid_rl.rewards.pool import RewardPool
+from hybrid_rl.trainer.validation import evaluate, paired_gain
+
+pytestmark = pytest.mark.unit
+
+
+def test_paired_gain_by_hand():
+    before = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0])
+    after = torch.tensor([1.0, 1, 0, 1, 1, 1, 0, 0])
+    gain, se = paired_gain(before, after)
+    d = [0, 1, 0, 0, 1, 0, -1, 0]  # mean 1/8; sample variance (3 - 8/64) / 7
+    assert gain == pytest.approx(1 / 8)
+    assert se == pytest.approx(math.sqrt((3 - 8 * (1 / 8) ** 2) / 7) / math.sqrt(8))
+    assert sum(d) / 8 == gain
+    # The point of pairing: problems right (or wrong) both times add no noise. Unpaired, the
+    # s.e. of the same difference is sqrt(se_a^2 + se_b^2), larger here.
+    unpaired = math.sqrt(sum(p * (1 - p) / 8 for p in (before.mean().item(), after.mean().item())))
+    assert se < unpaired
+    assert paired_gain(after, after) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same problems"):
+        paired_gain(before, after[:5])
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RewardPool(
+        SimpleNamespace(
+            functions=[SimpleNamespace(name="math", weight=1.0, path=None, function=None)],
+            num_workers=1, timeout_s=30.0, failure_score=0.0, max_failed_steps=0,
+        )
+    )  # fmt: skip
+    yield p
+    p.close()
+
+
+def test_hits_are_in_record_order_for_every_shard(pool):
+    records = [
+        PromptRecord([i], str(i), "math", {"level": 1 + i % 2}, [], f"val:{i}") for i in range(7)
+    ]
+    right = {0, 3, 4, 6}  # the sampler answers these correctly
+
+    def sample(recs, spec):
+        return [[f"The answer is \\boxed{{{r.ground_truth if int(r.ground_truth) in right else -1}}}."] for r in recs], {}
+
+    ctx = SimpleNamespace(rank=0, world_size=1)
+    whole, hits = evaluate(sample, records, pool, ctx, 8)
+    assert hits.tolist() == [float(i in right) for i in range(7)]
+    assert whole["val/accuracy"] == pytest.approx(4 / 7)
+    assert whole["val/accuracy_se"] == pytest.approx(math.sqrt(4 / 7 * 3 / 7 / 7))
+    # Two ranks' shards (no process group here, so each keeps its own part): the parts add up
+    # to the whole vector, each problem at its own index.
+    parts = [evaluate(sample, records, pool, ctx, 8, shard=(r, 2))[1] for r in range(2)]
+    assert (parts[0] + parts[1]).tolist() == hits.tolist()
+    assert parts[0][1::2].sum() == 0 and parts[1][0::2].sum() == 0
