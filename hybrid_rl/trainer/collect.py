@@ -232,7 +232,11 @@ class RolloutCollector:
             s.score, s.reward_extra = r.score + p + lr, {**r.components, **r.extra}
         self.reward_pool.check_failures(results)
         scores = torch.tensor([s.score for s in samples])
+        groups = torch.tensor([s.group for s in samples])
+        mixed = groups[informative_groups(scores, groups)]
         m = {
+            # Groups whose G rewards are not all equal: the only ones a group baseline learns from.
+            "reward/informative_groups": mixed.unique().numel() / max(groups.unique().numel(), 1),
             "reward/overlong_penalty": float(penalty.mean()),
             "reward/mean": float(scores.mean()),
             "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,

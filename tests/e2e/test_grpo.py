@@ -53,6 +53,7 @@ def test_steps_are_finite_and_bump_weights_version(first_run):
             assert key in r and r[key] == r[key]  # present and not NaN
         # a real update: non-zero advantages and gradients
         assert r["advantage/abs_mean"] > 0 and r["actor/grad_norm"] > 0 and r["reward/std"] > 0
+        assert 0 < r["reward/informative_groups"] <= 1  # the length reward differs inside groups
     assert [r["weights_version"] for r in steps] == [1.0, 2.0, 3.0]
     val = [r for r in rows(first_run) if "val/accuracy" in r]
     assert val[0]["step"] == 0 and "val/pass@2" in val[0]
