@@ -129,6 +129,13 @@ class VLLMRollout:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         else:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
+            # No chunked prefill on CPU: when a prompt is split across scheduler steps, vLLM
+            # rewinds the request's generator offset, which a CPU generator does not have, so
+            # every seeded request (all of ours: per-prompt seeds) crashes once one step's
+            # prompts exceed the token budget ("CPU Generator does not use offset"). Whole
+            # prompts only; the budget must then hold the longest one.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 2048)
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - start

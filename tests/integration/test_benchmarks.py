@@ -14,6 +14,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 CASES = {
+    "agentic_errors": ["--models", "builtin:micro", "--n", "2", "--samples", "1"],
     "prefix_cache": ["--groups", "1,4", "--lengths", "40", "--prompts", "2", "--max-tokens", "4", "--preset", "micro"],
     "rollout_throughput": ["--presets", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--repeats", "1"],
     "train_throughput": [

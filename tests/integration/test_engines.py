@@ -188,6 +188,23 @@ def test_per_prompt_seeds_decorrelate_groups(vllm_engine, tokenizer):
     assert [[c.token_ids for c in g.completions] for g in again] == [[c.token_ids for c in g.completions] for g in own]
 
 
+def test_seeded_sampling_survives_a_prefill_larger_than_one_step(vllm_engine):
+    """Seeded requests whose prompts together exceed vLLM's per-step token budget (2,048): with
+    chunked prefill, one request's prompt is split across steps, and vLLM rewinds that request's
+    generator offset, which a CPU generator does not have ("CPU Generator does not use offset").
+    The agentic recipe's validation (pass@4 on 512 two-turn prompts) crashed on it."""
+    from hybrid_rl.rollout.base import prompt_seed
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 400, (400,), generator=g).tolist() for _ in range(12)]  # 4,800 tokens
+    spec = SamplingSpec(n=2, max_tokens=4, seeds=[prompt_seed(0, 1, i) for i in range(12)])
+    out = vllm_engine.generate(prompts, spec)
+    assert [len(grp.completions) for grp in out] == [2] * 12
+    assert all(1 <= len(c.token_ids) <= 4 for grp in out for c in grp.completions)
+    again = vllm_engine.generate(prompts, spec)  # and the seeds still decide the samples
+    assert [[c.token_ids for c in grp.completions] for grp in again] == [[c.token_ids for c in grp.completions] for grp in out]
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, -1, 0.8), (0.7, 20, 0.8)])
 def test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync(
     ctx, tiny_path, vllm_engine, tokenizer, temperature, top_k, top_p
