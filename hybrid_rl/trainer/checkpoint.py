@@ -92,11 +92,10 @@ def save_checkpoint(
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        old = _hide(final) if final.exists() else None  # the same step saved again
+        if final.exists():  # the same step saved again: out of sight first, removed by _prune
+            _hide(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last)
     barrier()
     return final
@@ -152,11 +151,13 @@ class AppState:
         self.engine.load_state_dicts(state["model"], state["optim"])
 
 
-def rl_run_state(step: int, parts: Any, kl_coef: float) -> dict[str, Any]:
+def rl_run_state(step: int, parts: Any, kl_coef: float, val_start_hits: torch.Tensor | None = None) -> dict[str, Any]:
     """What an RL run needs besides the weights to continue exactly: the step, the data position,
-    the weights version, the KL coefficient, reward-failure count, RNG and engine counters."""
+    the weights version, the KL coefficient, reward-failure count, RNG and engine counters, and
+    the first validation's per-problem hits (what ``val/gain`` compares against)."""
     return {
         "step": step,
+        "val_start_hits": val_start_hits,
         "sampler": parts.sampler.state_dict(),
         "weights_version": parts.switch.weights_version,
         "kl_coef": kl_coef,
@@ -169,7 +170,8 @@ def rl_run_state(step: int, parts: Any, kl_coef: float) -> dict[str, Any]:
 
 
 def restore_rl_run_state(state: dict[str, Any], parts: Any) -> None:
-    """The inverse of :func:`rl_run_state` (the caller restores step and KL coefficient)."""
+    """The inverse of :func:`rl_run_state` (the caller restores the step, the KL coefficient and
+    ``val_start_hits``, which it owns)."""
     parts.sampler.load_state_dict(state["sampler"])
     parts.reward_pool.failed_steps = int(state["reward_failed_steps"])
     torch.set_rng_state(state["rng_torch"])

@@ -371,7 +371,7 @@ class RLTrainer:
             self.out_dir / "checkpoints",
             self.step_idx,
             self.app_states(),
-            ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value) | {"val_start_hits": self.val_start_hits},
+            ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value, self.val_start_hits),
             self.cfg.trainer.keep_last,
             self.ctx.rank,
             self.ctx.world_size,
