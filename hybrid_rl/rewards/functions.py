@@ -45,19 +45,49 @@ def normalise_ground_truth(ground_truth: Any) -> str:
     return gt.rsplit("####", maxsplit=1)[-1].strip() if "####" in gt else gt.strip()
 
 
-def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """1.0 if the response's final answer equals the ground truth under ``math-verify``, else 0.0.
+_INTEGER = re.compile(r"[-+]?\d+")
+# An integer as a final answer may be written with thousands separators or a zero fraction.
+_INTEGER_LITERAL = re.compile(r"([-+]?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.0*)?")
+# Wrappers that do not change a number: \text{...} units, math-mode delimiters, LaTeX spaces, %.
+_DECORATION = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}|\$|\\[,!;: ]|~|\\%|%|\s")
+_LAST_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
-    math-verify parses boxed answers, plain numbers, fractions and LaTeX expressions and
-    compares them symbolically (``\\frac{24}{2}`` equals ``12``). The last ``\\boxed{}`` wins
-    when present; otherwise math-verify's own extraction (last number/expression) is used.
+
+def integer_answer(text: str) -> int | None:
+    """``text`` as an integer if it *is* one (``1,234``, ``-7``, ``12.0``, ``$12$``, ``12 \\text{ apples}``),
+    else None: an expression such as ``41 + 35`` or ``12 \\times 3`` is not an answer."""
+    bare = _DECORATION.sub("", text).rstrip(".")
+    m = _INTEGER_LITERAL.fullmatch(bare)
+    return int(m.group(1) + m.group(2).replace(",", "")) if m else None
+
+
+def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """1.0 if the response's final answer equals the ground truth, else 0.0.
+
+    The final answer is the last ``\\boxed{}`` when present. An **integer** ground truth (the
+    synthetic task, GSM8K) needs an integer literal there (:func:`integer_answer`), compared
+    exactly; without a box, the last number in the text. This is strict on purpose: math-verify
+    evaluates what it parses, so ``\\boxed{41 + 35}`` "equals" 76, and GRPO on the synthetic task
+    found that within 40 steps: it stopped computing and boxed the question's expression (held-out
+    "accuracy" 0.32 -> 0.75 with responses 22 -> 9 tokens, docs/issue14_runs.md). Any other ground
+    truth (fractions, LaTeX expressions: MATH-style answers) is compared by ``math-verify``, which
+    parses boxed answers, fractions and expressions and compares them symbolically
+    (``\\frac{1}{2}`` equals ``0.5``); without a box it uses its own extraction.
     """
+    gt = normalise_ground_truth(ground_truth)
+    boxed = last_boxed(solution_str)
+    if _INTEGER.fullmatch(gt.replace(",", "")):
+        if boxed is not None:
+            answer = integer_answer(boxed)
+        else:
+            numbers = _LAST_NUMBER.findall(solution_str)
+            answer = integer_answer(numbers[-1]) if numbers else None
+        return 1.0 if answer is not None and answer == int(gt.replace(",", "")) else 0.0
     from math_verify import parse, verify
 
-    gold = parse(normalise_ground_truth(ground_truth))
+    gold = parse(gt)
     if not gold:
-        gold = parse(f"${normalise_ground_truth(ground_truth)}$")
-    boxed = last_boxed(solution_str)
+        gold = parse(f"${gt}$")
     answer = parse(f"\\boxed{{{boxed}}}" if boxed is not None else solution_str)
     return 1.0 if gold and answer and verify(gold, answer) else 0.0
 

@@ -37,7 +37,19 @@ def by_text(ds, s, gt, extra=None):
     ("text", "gt", "want"),
     [
         ("3 + 4 = 7. The answer is \\boxed{7}.", "7", 1.0),
-        ("\\boxed{\\frac{14}{2}}", "7", 1.0),
+        # An integer ground truth needs an integer: an unevaluated expression is not an answer
+        # (math-verify evaluates it, and GRPO learned to box the question's sum instead of computing it).
+        ("\\boxed{\\frac{14}{2}}", "7", 0.0),
+        ("41 + 35 = 71. The answer is \\boxed{41 + 35}.", "76", 0.0),
+        ("The answer is \\boxed{12 \\times 3}.", "36", 0.0),
+        ("\\boxed{30-14}", "16", 0.0),
+        ("41 + 35", "76", 0.0),
+        ("The answer is 76.", "76", 1.0),
+        ("\\boxed{$-7$}", "-7", 1.0),
+        ("\\boxed{12 \\text{ apples}}", "12", 1.0),
+        ("\\boxed{12.0}", "12", 1.0),
+        # Other ground truths are compared symbolically by math-verify.
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
         ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
         ("The answer is \\boxed{8}.", "7", 0.0),
         ("seven", "7", 0.0),
