@@ -54,21 +54,30 @@ def test_ppo_with_a_critic_raises_the_reward(tmp_path):
     assert_learns(rows, trained_from=3)
 
 
-def test_default_recipe_raises_held_out_accuracy(tmp_path):
+def test_default_recipe_raises_sampled_accuracy(tmp_path):
     """The main job itself (+recipe=grpo_math: the short SFT warm start, built and cached on first
-    use, then GRPO on the math verifier) at 80 of its 100 steps: held-out greedy accuracy on 512
-    problems must rise by 10 points. When the rise starts depends on the seed (seed 0: 0.323 ->
-    0.550 at step 50 -> 0.753 at 75 on 1,024 problems; seed 1: 0.342 -> 0.324 at 40 -> 0.547 at
-    80 on 512; at 50 steps seeds 1 and 2 had barely moved), so 50 steps would be a coin toss;
-    s.e. of the difference on 512 ~0.03. A flipped advantage or a broken sync leaves it flat."""
+    use, at 100 of its 300 GRPO steps, on the strict math verifier), validated on 512 held-out problems:
+    the train reward and the held-out sampled accuracy (mean@4, T=1) must rise, and greedy
+    accuracy must not collapse. Measured (2 cores, AMX-bf16): train reward, steps 1-20 -> 81-100,
+    0.240 -> 0.302 (seed 0) and 0.235 -> 0.284 (seed 1), +5 to +7 points in all eight runs tried
+    (fp32, G=16, another warm start); held-out mean@4 0.248 -> 0.322 (seed 0), 0.243 -> 0.281
+    (seed 1), s.e. of the difference ~0.013; greedy 0.336 -> 0.342 / 0.332. A flipped advantage
+    drives both down. Not a +10-point greedy gain: the default job does not make one honestly
+    (see the README; the earlier +43 was the model boxing unevaluated expressions)."""
     cmd = [
         sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", f"trainer.output_dir={tmp_path}",
-        "trainer.total_steps=80", "trainer.val_every=80", "data.val_size=512", "rollout.val_pass_k=0",
-        "trainer.export_hf=false", "logger.progress_bar=false",
+        "trainer.total_steps=100", "trainer.val_every=100", "data.val_size=512", "trainer.export_hf=false", "logger.progress_bar=false",
+        "trainer.save_every=0",
     ]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, timeout=1200)
     assert p.returncode == 0, p.stderr[-6000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
-    assert set(val) == {0, 80}, val
-    assert val[80] >= val[0] + 0.10, f"held-out greedy accuracy {val[0]:.3f} -> {val[80]:.3f}"
+    val = {r["step"]: r for r in rows if "val/accuracy" in r}
+    assert set(val) == {0, 100}, sorted(val)
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert last >= first + 0.03, f"train reward {first:.3f} -> {last:.3f}"
+    m0, m1 = val[0]["val/mean@4"], val[100]["val/mean@4"]
+    assert m1 >= m0 + 0.02, f"held-out mean@4 {m0:.3f} -> {m1:.3f}"
+    g0, g1 = val[0]["val/accuracy"], val[100]["val/accuracy"]
+    assert g1 >= g0 - 0.03, f"held-out greedy accuracy fell: {g0:.3f} -> {g1:.3f}"
