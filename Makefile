@@ -43,10 +43,9 @@ lint: setup
 bench: setup
 	$(PY) -m benchmarks.run_all
 
-# Every RL algorithm recipe, same budget from the same SFT model, 2 seeds each, 100 steps (the
-# held-out curve takes off between steps 25 and 75 depending on the seed): ~3-4 min per group-method
-# run and ~6-7 min per DAPO or PPO run on 2 cores, ~1.2 h for all eleven. Shorter: ARGS are not passed;
-# run python -m benchmarks.compare_algorithms --steps 50 --recipes grpo_math,ppo_math.
+# Every RL algorithm recipe, same budget from the same SFT model, 2 seeds each, the recipes' 300 steps
+# (~5 min per group-method run and ~10 min per DAPO or PPO run on 2 AMX-bf16 cores, ~2.5 h for all
+# eleven). Shorter: ARGS are not passed; run python -m benchmarks.compare_algorithms --steps 100 --recipes grpo_math,ppo_math.
 compare: setup
 	$(PY) -m benchmarks.compare_algorithms
 

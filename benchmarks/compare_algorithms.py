@@ -1,6 +1,6 @@
 """Short runs of every RL algorithm recipe on the default task, same budget, for the README table.
 
-    python -m benchmarks.compare_algorithms [--steps 100] [--seeds 1,2] [--recipes grpo_math,dapo_math,...]
+    python -m benchmarks.compare_algorithms [--steps 300] [--seeds 1,2] [--recipes grpo_math,dapo_math,...]
 
 Each recipe starts from the same SFT model (builtin:tiny-sft), trains ``--steps`` steps with its
 own settings, once per seed in ``--seeds`` (``trainer.seed`` and ``data.seed``: sampling noise and
@@ -81,7 +81,7 @@ def summarise(recipe: str, runs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=300, help="the recipes' own budget")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", default="1,2", help="trainer.seed and data.seed of each run (one row per recipe: mean and spread)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every run")
