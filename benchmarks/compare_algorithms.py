@@ -1,4 +1,4 @@
-"""Short runs of every RL algorithm recipe on the default task, same budget, for the README table.
+"""Runs of every RL algorithm recipe on the default task, same budget, for the README table.
 
     python -m benchmarks.compare_algorithms [--steps 300] [--seeds 1,2] [--recipes grpo_math,dapo_math,...]
 

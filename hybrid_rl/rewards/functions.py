@@ -76,13 +76,13 @@ def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
     """
     gt = normalise_ground_truth(ground_truth)
     boxed = last_boxed(solution_str)
-    if _INTEGER.fullmatch(gt.replace(",", "")):
+    if _INTEGER.fullmatch(digits := gt.replace(",", "")):
         if boxed is not None:
             answer = integer_answer(boxed)
         else:
             numbers = _LAST_NUMBER.findall(solution_str)
             answer = integer_answer(numbers[-1]) if numbers else None
-        return 1.0 if answer is not None and answer == int(gt.replace(",", "")) else 0.0
+        return 1.0 if answer == int(digits) else 0.0
     from math_verify import parse, verify
 
     gold = parse(gt)

@@ -61,8 +61,8 @@ def test_default_recipe_raises_sampled_accuracy(tmp_path):
     accuracy must not collapse. Measured (2 cores, AMX-bf16): train reward, steps 1-20 -> 81-100,
     0.240 -> 0.302 (seed 0) and 0.235 -> 0.284 (seed 1), +5 to +7 points in all eight runs tried
     (fp32, G=16, another warm start); held-out mean@4 0.248 -> 0.322 (seed 0), 0.243 -> 0.281
-    (seed 1), s.e. of the difference ~0.013; greedy 0.336 -> 0.342 / 0.332. A flipped advantage
-    drives both down. Not a +10-point greedy gain: the default job does not make one honestly
+    (seed 1), s.e. of the difference ~0.013; greedy 0.336 -> 0.342 / 0.332. Not yet run with the
+    advantage's sign flipped (the digit-reward tests above were). Not a +10-point greedy gain: the default job does not make one honestly
     (see the README; the earlier +43 was the model boxing unevaluated expressions)."""
     cmd = [
         sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", f"trainer.output_dir={tmp_path}",
