@@ -4,10 +4,11 @@
 
 Each recipe starts from the same SFT model (builtin:tiny-sft), trains ``--steps`` steps with its
 own settings, once per seed in ``--seeds`` (``trainer.seed`` and ``data.seed``: sampling noise and
-prompt order), and is validated on the same held-out prompts (greedy accuracy, 1,024 problems).
-Each recipe's row is the mean over seeds with the min..max spread. The SFT model's accuracy,
-measured once by the first run before training, is the common starting point. Writes
-results/compare_algorithms.json and .png.
+prompt order), and is validated on the same held-out prompts (1,024 problems): greedy accuracy and
+``--pass-k`` samples per problem at the rollout temperature (mean@k: the sampled accuracy, which
+RL moves long before the greedy one; pass@k). Each recipe's row is the mean over seeds with the
+min..max spread. The SFT model's figures, measured once by the first run before training, are
+the common starting point. Writes results/compare_algorithms.json and .png.
 """
 
 from __future__ import annotations
@@ -32,29 +33,48 @@ RECIPES = [
 ]
 
 
-def run(recipe: str, steps: int, before: bool, extra: list[str]) -> dict:
+def run(recipe: str, steps: int, before: bool, pass_k: int, extra: list[str]) -> dict:
     p, rows, wall = run_trainer(
         [
             f"+recipe={recipe}", f"trainer.total_steps={steps}", f"trainer.val_every={steps}",
             f"trainer.val_before_train={str(before).lower()}", "trainer.save_every=0", "logger.progress_bar=false",
-            "rollout.val_pass_k=0", *extra,
+            f"rollout.val_pass_k={pass_k}", *extra,
         ],
         prefix=f"cmp-{recipe}-",
         timeout=3600,
     )
     if p.returncode != 0:
         return {"recipe": recipe, "error": p.stderr[-2000:]}
-    val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+    val = {r["step"]: r for r in rows if "val/accuracy" in r}
     steps_t = [r["timing/step"] for r in rows if "timing/step" in r]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    k = min(20, max(len(rewards) // 5, 1))  # the train reward's first and last 20 steps (a fifth of a short run)
+    before_row, after_row = val.get(0, {}), val.get(steps, {})
     return {
         "recipe": recipe,
-        "val_before": val.get(0),
-        "val_after": val.get(steps),
-        "train_reward_first5": sum(rewards[:5]) / max(len(rewards[:5]), 1),
-        "train_reward_last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
+        "val_before": before_row.get("val/accuracy"),
+        "val_after": after_row.get("val/accuracy"),
+        "meank_before": before_row.get(f"val/mean@{pass_k}"),
+        "meank_after": after_row.get(f"val/mean@{pass_k}"),
+        "passk_before": before_row.get(f"val/pass@{pass_k}"),
+        "passk_after": after_row.get(f"val/pass@{pass_k}"),
+        "gain": after_row.get("val/gain"),
+        "gain_se": after_row.get("val/gain_se"),
+        "train_reward_first": sum(rewards[:k]) / k,
+        "train_reward_last": sum(rewards[-k:]) / k,
         "step_s_median": sorted(steps_t)[len(steps_t) // 2] if steps_t else None,
         "wall_s": wall,
+    }
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, min, max and sample standard deviation of one figure over seeds."""
+    return {
+        "values": values,
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
     }
 
 
@@ -63,20 +83,19 @@ def summarise(recipe: str, runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"recipe": recipe, "error": runs[0]["error"]}
-    after = [r["val_after"] for r in ok]
-    mean = statistics.fmean(after)
-    return {
-        "recipe": recipe,
-        "seeds": len(ok),
-        "val_after": after,
-        "val_after_mean": mean,
-        "val_after_min": min(after),
-        "val_after_max": max(after),
-        "val_after_sd": statistics.stdev(after) if len(after) > 1 else 0.0,
-        "train_reward_last5_mean": statistics.fmean(r["train_reward_last5"] for r in ok),
-        "step_s_median": statistics.median(r["step_s_median"] for r in ok),
-        "wall_s_mean": statistics.fmean(r["wall_s"] for r in ok),
-    }
+    out = {"recipe": recipe, "seeds": len(ok)}
+    for key in ("val_after", "meank_after", "passk_after", "train_reward_last"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            out[key] = spread(values)
+    out["step_s_median"] = statistics.median(r["step_s_median"] for r in ok)
+    out["wall_s_mean"] = statistics.fmean(r["wall_s"] for r in ok)
+    return out
+
+
+def fmt(row: dict, key: str) -> str:
+    s = row.get(key)
+    return f"{s['mean']:.3f} ({s['min']:.3f}..{s['max']:.3f})" if s else "-"
 
 
 def main() -> None:
@@ -84,34 +103,40 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="the recipes' own budget")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", default="1,2", help="trainer.seed and data.seed of each run (one row per recipe: mean and spread)")
+    ap.add_argument("--pass-k", type=int, default=4, help="samples per held-out problem for mean@k and pass@k (0: greedy only)")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every run")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    k = args.pass_k
     runs: dict[str, list[dict]] = {}
     first = True
     for recipe in args.recipes.split(","):
         for seed in seeds:
-            r = run(recipe, args.steps, before=first, extra=[f"trainer.seed={seed}", f"data.seed={seed}", *args.extra])
+            r = run(recipe, args.steps, first, k, [f"trainer.seed={seed}", f"data.seed={seed}", *args.extra])
             r["seed"] = seed
             first = first and "error" in r
             runs.setdefault(recipe, []).append(r)
             if "error" in r:
                 print(f"{recipe:>28} seed {seed}: FAILED\n{r['error']}", flush=True)
-            else:
-                print(
-                    f"{recipe:>28} seed {seed}: val {r['val_before'] if r['val_before'] is not None else '':>6} -> {r['val_after']:.3f}  "
-                    f"reward -> {r['train_reward_last5']:.3f}  {r['step_s_median']:.2f} s/step  ({r['wall_s']:.0f} s)",
-                    flush=True,
-                )
+                continue
+            meank = f"  mean@{k} -> {r['meank_after']:.3f}" if r.get("meank_after") is not None else ""
+            print(
+                f"{recipe:>28} seed {seed}: greedy {r['val_before'] if r['val_before'] is not None else '':>6} -> {r['val_after']:.3f}"
+                f"{meank}  train reward {r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f}  "
+                f"{r['step_s_median']:.2f} s/step  ({r['wall_s']:.0f} s)",
+                flush=True,
+            )
     rows = [summarise(recipe, rs) for recipe, rs in runs.items()]
-    sft = next((r["val_before"] for rs in runs.values() for r in rs if r.get("val_before") is not None), None)
+    start = next((r for rs in runs.values() for r in rs if r.get("val_before") is not None), {})
+    sft = {"greedy": start.get("val_before"), f"mean@{k}": start.get("meank_before"), f"pass@{k}": start.get("passk_before")}
     path = write_json(
         "compare_algorithms",
         {
             "benchmark": "compare_algorithms",
             "machine": machine_info(),
             "settings": vars(args),
-            "sft_val_accuracy": sft,
+            "sft_val_accuracy": sft["greedy"],
+            "sft": sft,
             "rows": rows,
             "runs": runs,
         },
@@ -120,19 +145,27 @@ def main() -> None:
     if not ok:
         raise SystemExit("every run failed; see the errors above")
     for r in ok:
-        print(f"{r['recipe']:>28}: {r['val_after_mean']:.3f} (min {r['val_after_min']:.3f}, max {r['val_after_max']:.3f}, {r['seeds']} seeds)")
-    fig, ax = figure((9, 3.8))
+        print(
+            f"{r['recipe']:>28}: greedy {fmt(r, 'val_after')}  mean@{k} {fmt(r, 'meank_after')}  "
+            f"train reward {fmt(r, 'train_reward_last')}  ({r['seeds']} seeds: mean (min..max))"
+        )
+    panels = [("val_after", "greedy", "held-out greedy accuracy")]
+    if k and all("meank_after" in r for r in ok):
+        panels.append(("meank_after", f"mean@{k}", f"held-out mean@{k} (sampled)"))
+    fig, axes = figure((5.5 * len(panels), 3.8), ncols=len(panels))
+    axes = list(axes) if len(panels) > 1 else [axes]
     names = [r["recipe"].removesuffix("_math") for r in ok]
-    means = [r["val_after_mean"] for r in ok]
-    err = [[m - r["val_after_min"] for m, r in zip(means, ok, strict=True)], [r["val_after_max"] - m for m, r in zip(means, ok, strict=True)]]
-    ax.bar(names, means, yerr=err, capsize=4, color="C0", label=f"mean over {len(seeds)} seeds (bars: min..max)")
-    if sft is not None:
-        ax.axhline(sft, color="k", ls="--", lw=1, label=f"SFT start ({sft:.3f})")
-    ax.legend(fontsize=8)
-    ax.set_ylabel(f"held-out greedy accuracy after {args.steps} steps")
-    lo = min([r["val_after_min"] for r in ok] + [sft or 1])
-    ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r["val_after_max"] for r in ok) + 0.05))
-    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    for ax, (key, start_key, label) in zip(axes, panels, strict=True):
+        means = [r[key]["mean"] for r in ok]
+        err = [[m - r[key]["min"] for m, r in zip(means, ok, strict=True)], [r[key]["max"] - m for m, r in zip(means, ok, strict=True)]]
+        ax.bar(names, means, yerr=err, capsize=4, color="C0", label=f"mean over {len(seeds)} seeds (bars: min..max)")
+        if sft[start_key] is not None:
+            ax.axhline(sft[start_key], color="k", ls="--", lw=1, label=f"SFT start ({sft[start_key]:.3f})")
+        ax.legend(fontsize=8)
+        ax.set_ylabel(f"{label} after {args.steps} steps", fontsize=9)
+        lo = min([r[key]["min"] for r in ok] + [sft[start_key] if sft[start_key] is not None else 1])
+        ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r[key]["max"] for r in ok) + 0.05))
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     print(f"wrote {path} and {save_figure(fig, 'compare_algorithms')}")
 
 
