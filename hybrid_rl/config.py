@@ -48,6 +48,8 @@ class SynthMathConfig:
     # Difficulty levels (see hybrid_rl.data.synth_math).
     levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     seed: int = 0
+    # Share of rows whose tool-use SFT target (extra_info.tool_turns) answers without the tool.
+    direct_share: float = 0.0
 
 
 @dataclass

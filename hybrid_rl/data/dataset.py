@@ -44,11 +44,14 @@ def synth_math_paths(synth: Any) -> dict[str, Path]:
     """Generate (once, cached by its settings) the synthetic math splits; returns their paths."""
     from hybrid_rl.data.synth_math import GENERATOR_VERSION, write_splits
 
-    key = json.dumps([GENERATOR_VERSION, synth.n_train, synth.n_val, list(synth.levels), synth.seed])
+    key = [GENERATOR_VERSION, synth.n_train, synth.n_val, list(synth.levels), synth.seed]
+    if synth.direct_share:  # keyed only when set: the other tasks' caches stay where they were
+        key.append(synth.direct_share)
+    key = json.dumps(key)
     out = cache_root() / "data" / f"synth_math-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
     if not all(p.exists() for p in paths.values()):
-        write_splits(out, synth.n_train, synth.n_val, synth.seed, list(synth.levels))
+        write_splits(out, synth.n_train, synth.n_val, synth.seed, list(synth.levels), synth.direct_share)
     return paths
 
 

@@ -102,22 +102,31 @@ def make_problem(rng: random.Random, level: int) -> Problem:
 
 def format_solution(p: Problem) -> str:
     """The assistant's worked answer that SFT imitates: the steps, then a boxed result."""
-    return f"{p.solution} The answer is \\boxed{{{p.answer}}}."
+    return f"{p.solution} {boxed_answer(p)}"
 
 
-def tool_turns(p: Problem) -> list[list[str]]:
-    """A worked tool-use trajectory: compute with the python tool, then answer with its output."""
+def boxed_answer(p: Problem) -> str:
+    """The answer alone, as a model that answers without working or tools writes it."""
+    return f"The answer is \\boxed{{{p.answer}}}."
+
+
+def tool_turns(p: Problem, direct: bool = False) -> list[list[str]]:
+    """A worked tool-use trajectory: compute with the python tool, then answer with its output;
+    ``direct``: answer at once without the tool (right, as SFT data is; for a level-5 product the
+    model must then multiply 3 by 2 digits in its head, which the tiny model cannot)."""
+    if direct:
+        return [["assistant", boxed_answer(p)]]
     steps = [step.split(" = ")[0] for step in p.solution.rstrip(".").split(". ")]
     expr = steps[0]
     for step in steps[1:]:  # "a - b" then "x * k" -> "(a - b) * k"
         expr = f"({expr}) {step.split(' ', 1)[1]}"
     code = f"print({expr})"
     call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
-    return [["assistant", call], ["tool", str(p.answer)], ["assistant", f"The answer is \\boxed{{{p.answer}}}."]]
+    return [["assistant", call], ["tool", str(p.answer)], ["assistant", boxed_answer(p)]]
 
 
-def to_row(p: Problem, split: str, index: int) -> dict:
-    """A verl-schema row for one problem."""
+def to_row(p: Problem, split: str, index: int, direct: bool = False) -> dict:
+    """A verl-schema row for one problem (``direct``: its ``tool_turns`` answer without the tool)."""
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": f"{p.question} {INSTRUCTION}"}],
@@ -128,20 +137,24 @@ def to_row(p: Problem, split: str, index: int) -> dict:
             "index": index,
             "level": p.level,
             "solution": format_solution(p),
-            "tool_turns": tool_turns(p),
+            "tool_turns": tool_turns(p, direct),
         },
     }
 
 
-def generate_rows(n: int, split: str, seed: int, levels: list[int], exclude: set[str] | None = None) -> list[dict]:
+def generate_rows(
+    n: int, split: str, seed: int, levels: list[int], exclude: set[str] | None = None, direct_share: float = 0.0
+) -> list[dict]:
     """``n`` unique problems drawn uniformly over ``levels``; questions in ``exclude`` skipped.
 
     The stream for a split is seeded by ``(seed, split)`` so train and validation are fixed and
-    independent of each other's size.
+    independent of each other's size. A share ``direct_share`` of the rows, drawn from a stream of
+    its own (the problems do not change with it), get ``tool_turns`` that answer without the tool.
     """
     if not levels:
         raise ValueError("synth_math needs at least one level")
     rng = random.Random(f"{seed}:{split}")
+    style = random.Random(f"{seed}:{split}:direct")
     seen: set[str] = set(exclude or ())
     rows: list[dict] = []
     attempts = 0
@@ -156,19 +169,22 @@ def generate_rows(n: int, split: str, seed: int, levels: list[int], exclude: set
         if p.question in seen:
             continue
         seen.add(p.question)
-        rows.append(to_row(p, split, len(rows)))
+        rows.append(to_row(p, split, len(rows), direct=style.random() < direct_share))
     return rows
 
 
-def write_splits(out_dir: str | Path, n_train: int, n_val: int, seed: int, levels: list[int]) -> dict[str, Path]:
+def write_splits(
+    out_dir: str | Path, n_train: int, n_val: int, seed: int, levels: list[int], direct_share: float = 0.0
+) -> dict[str, Path]:
     """Write ``train.parquet`` and ``val.parquet`` under ``out_dir``; returns their paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    val = generate_rows(n_val, "val", seed, levels)
-    train = generate_rows(n_train, "train", seed, levels, exclude={r["prompt"][0]["content"] for r in val})
+    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share)
+    exclude = {r["prompt"][0]["content"] for r in val}
+    train = generate_rows(n_train, "train", seed, levels, exclude=exclude, direct_share=direct_share)
     paths = {}
     for split, rows in (("train", train), ("val", val)):
         path = out / f"{split}.parquet"

@@ -49,6 +49,23 @@ def test_splits_fixed_by_seed_and_disjoint(tmp_path):
     assert row["extra_info"]["split"] == "train"
 
 
+def test_direct_share_changes_only_the_tool_targets():
+    """A share of rows answer at once in ``tool_turns`` (the mixed tool-use warm start); the
+    problems, prompts and answers are the ones the default split has, and every target is right."""
+    plain = synth_math.generate_rows(400, "train", 0, [5])
+    mixed = synth_math.generate_rows(400, "train", 0, [5], direct_share=0.6)
+    assert [r["prompt"] for r in mixed] == [r["prompt"] for r in plain]
+    direct = [r for r in mixed if len(r["extra_info"]["tool_turns"]) == 1]
+    assert 0.5 < len(direct) / len(mixed) < 0.7
+    for r in mixed:
+        turns, answer = r["extra_info"]["tool_turns"], r["reward_model"]["ground_truth"]
+        assert turns[-1][0] == "assistant" and math_reward("x", turns[-1][1], answer) == 1.0
+        if len(turns) > 1:
+            assert turns[0][1].startswith("<tool_call>") and turns[1] == ["tool", answer]
+    untouched = [(a, b) for a, b in zip(mixed, plain, strict=True) if len(a["extra_info"]["tool_turns"]) > 1]
+    assert untouched and all(a == b for a, b in untouched)
+
+
 def test_load_prompts_parquet_and_jsonl(tmp_path, tokenizer):
     paths = synth_math.write_splits(tmp_path, 20, 5, seed=0, levels=[1])
     recs, rep = load_prompts([paths["train"]], tokenizer, Cfg)
