@@ -43,9 +43,9 @@ lint: setup
 bench: setup
 	$(PY) -m benchmarks.run_all
 
-# Every RL algorithm recipe, same budget from the same SFT model, 2 seeds each, the recipes' 300 steps
-# (~5 min per group-method run and ~10 min per DAPO or PPO run on 2 AMX-bf16 cores, ~2.5 h for all
-# eleven). Shorter: ARGS are not passed; run python -m benchmarks.compare_algorithms --steps 100 --recipes grpo_math,ppo_math.
+# Every RL algorithm recipe, same budget from the same SFT model, 2 seeds each, the recipes' 250 steps
+# (~10 min per run that fills its batch with up to 3 generation rounds, ~5-12 min for the others on
+# 2 cores, ~3.5 h for all eleven). Shorter: ARGS are not passed; run python -m benchmarks.compare_algorithms --steps 100 --recipes grpo_math,ppo_math.
 compare: setup
 	$(PY) -m benchmarks.compare_algorithms
 

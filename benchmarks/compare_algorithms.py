@@ -1,6 +1,6 @@
 """Runs of every RL algorithm recipe on the default task, same budget, for the README table.
 
-    python -m benchmarks.compare_algorithms [--steps 300] [--seeds 1,2] [--recipes grpo_math,dapo_math,...]
+    python -m benchmarks.compare_algorithms [--steps 250] [--seeds 1,2] [--recipes grpo_math,dapo_math,...]
 
 Each recipe starts from the same SFT model (builtin:tiny-sft), trains ``--steps`` steps with its
 own settings, once per seed in ``--seeds`` (``trainer.seed`` and ``data.seed``: sampling noise and
@@ -100,7 +100,7 @@ def fmt(row: dict, key: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300, help="the recipes' own budget")
+    ap.add_argument("--steps", type=int, default=250, help="the recipes' own budget")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", default="1,2", help="trainer.seed and data.seed of each run (one row per recipe: mean and spread)")
     ap.add_argument("--pass-k", type=int, default=4, help="samples per held-out problem for mean@k and pass@k (0: greedy only)")
