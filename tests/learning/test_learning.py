@@ -60,7 +60,8 @@ def test_default_recipe_raises_greedy_accuracy(tmp_path):
     validated greedily on all 1,024 held-out problems: the train reward and held-out greedy
     accuracy must rise, level 1 (the single-digit facts the warm start gets wrong greedily but
     right in some samples) by 10 points. Measured (2 avx512_bf16 cores) at step 100: greedy
-    RESULTS_PLACEHOLDER. With one generation round instead of three (the old recipe) greedy did
+    0.319 -> 0.382 (+6.2 +- 1.1 paired), level 1 0.32 -> 0.51, train reward (steps 1-20 -> 81-100)
+    0.235 -> 0.327. With one generation round instead of three (the old recipe) greedy did
     not move in 200 steps (0.319 -> 0.308), so this fails on it; with the advantage's sign flipped
     the train reward falls (session 10: 0.079 -> 0.001)."""
     cmd = [
