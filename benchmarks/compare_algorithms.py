@@ -9,12 +9,19 @@ prompt order), and is validated on the same held-out prompts (1,024 problems): g
 RL moves long before the greedy one; pass@k). Each recipe's row is the mean over seeds with the
 min..max spread. The SFT model's figures, measured once by the first run before training, are
 the common starting point. Writes results/compare_algorithms.json and .png.
+
+``--keep OLD.json`` re-runs only ``--recipes`` and carries every other recipe's runs over from an
+earlier result of the same ``--steps``, ``--seeds`` and ``--pass-k`` (for recipes whose config did
+not change since); the carried rows name the run they came from (``carried_from``) and are marked
+``*`` in the plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
 from benchmarks.common import figure, machine_info, run_trainer, save_figure, write_json
 
@@ -98,16 +105,30 @@ def fmt(row: dict, key: str) -> str:
     return f"{s['mean']:.3f} ({s['min']:.3f}..{s['max']:.3f})" if s else "-"
 
 
+def carried_runs(path: str, args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict]:
+    """The runs of ``path`` (an earlier compare_algorithms.json) for recipes not in ``--recipes``,
+    each marked with where it came from; refuses a result measured with other settings."""
+    old = json.loads(Path(path).read_text())
+    for key in ("steps", "seeds", "pass_k"):
+        if str(old["settings"].get(key)) != str(getattr(args, key)):
+            raise SystemExit(f"--keep {path}: settings.{key} is {old['settings'].get(key)!r}, this run's is {getattr(args, key)!r}")
+    source = {"file": path, "time": old["machine"].get("time"), "machine": old["machine"]}
+    fresh = set(args.recipes.split(","))
+    return {r: [dict(x, carried_from=source["time"]) for x in rs] for r, rs in old["runs"].items() if r not in fresh}, source
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=250, help="the recipes' own budget")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--seeds", default="1,2", help="trainer.seed and data.seed of each run (one row per recipe: mean and spread)")
     ap.add_argument("--pass-k", type=int, default=4, help="samples per held-out problem for mean@k and pass@k (0: greedy only)")
+    ap.add_argument("--keep", default=None, help="an earlier compare_algorithms.json: carry over the recipes not in --recipes")
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every run")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     k = args.pass_k
+    kept, carried_from = carried_runs(args.keep, args) if args.keep else ({}, None)
     runs: dict[str, list[dict]] = {}
     first = True
     for recipe in args.recipes.split(","):
@@ -126,8 +147,12 @@ def main() -> None:
                 f"{r['step_s_median']:.2f} s/step  ({r['wall_s']:.0f} s)",
                 flush=True,
             )
-    rows = [summarise(recipe, rs) for recipe, rs in runs.items()]
     start = next((r for rs in runs.values() for r in rs if r.get("val_before") is not None), {})
+    if args.keep:
+        runs.update(kept)
+        order = {r: i for i, r in enumerate(RECIPES)}
+        runs = dict(sorted(runs.items(), key=lambda kv: order.get(kv[0], len(order))))
+    rows = [dict(summarise(recipe, rs), **({"carried_from": rs[0]["carried_from"]} if "carried_from" in rs[0] else {})) for recipe, rs in runs.items()]
     sft = {"greedy": start.get("val_before"), f"mean@{k}": start.get("meank_before"), f"pass@{k}": start.get("passk_before")}
     path = write_json(
         "compare_algorithms",
@@ -137,6 +162,7 @@ def main() -> None:
             "settings": vars(args),
             "sft_val_accuracy": sft["greedy"],
             "sft": sft,
+            "carried_from": carried_from,
             "rows": rows,
             "runs": runs,
         },
@@ -154,7 +180,7 @@ def main() -> None:
         panels.append(("meank_after", f"mean@{k}", f"held-out mean@{k} (sampled)"))
     fig, axes = figure((5.5 * len(panels), 3.8), ncols=len(panels))
     axes = list(axes) if len(panels) > 1 else [axes]
-    names = [r["recipe"].removesuffix("_math") for r in ok]
+    names = [r["recipe"].removesuffix("_math") + ("*" if "carried_from" in r else "") for r in ok]
     for ax, (key, start_key, label) in zip(axes, panels, strict=True):
         means = [r[key]["mean"] for r in ok]
         err = [[m - r[key]["min"] for m, r in zip(means, ok, strict=True)], [r[key]["max"] - m for m, r in zip(means, ok, strict=True)]]
@@ -163,6 +189,8 @@ def main() -> None:
             ax.axhline(sft[start_key], color="k", ls="--", lw=1, label=f"SFT start ({sft[start_key]:.3f})")
         ax.legend(fontsize=8)
         ax.set_ylabel(f"{label} after {args.steps} steps", fontsize=9)
+        if carried_from:
+            ax.set_xlabel(f"* carried over from the run of {carried_from['time']}", fontsize=8)
         lo = min([r[key]["min"] for r in ok] + [sft[start_key] if sft[start_key] is not None else 1])
         ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r[key]["max"] for r in ok) + 0.05))
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
