@@ -114,7 +114,8 @@ def carried_runs(path: str, args: argparse.Namespace) -> tuple[dict[str, list[di
             raise SystemExit(f"--keep {path}: settings.{key} is {old['settings'].get(key)!r}, this run's is {getattr(args, key)!r}")
     source = {"file": path, "time": old["machine"].get("time"), "machine": old["machine"]}
     fresh = set(args.recipes.split(","))
-    return {r: [dict(x, carried_from=source["time"]) for x in rs] for r, rs in old["runs"].items() if r not in fresh}, source
+    # A run carried over twice keeps the time of the run that measured it.
+    return {r: [dict(x, carried_from=x.get("carried_from", source["time"])) for x in rs] for r, rs in old["runs"].items() if r not in fresh}, source
 
 
 def main() -> None:
@@ -190,7 +191,8 @@ def main() -> None:
         ax.legend(fontsize=8)
         ax.set_ylabel(f"{label} after {args.steps} steps", fontsize=9)
         if carried_from:
-            ax.set_xlabel(f"* carried over from the run of {carried_from['time']}", fontsize=8)
+            times = sorted({r["carried_from"] for r in ok if "carried_from" in r})
+            ax.set_xlabel(f"* carried over from the run(s) of {', '.join(times)}", fontsize=8)
         lo = min([r[key]["min"] for r in ok] + [sft[start_key] if sft[start_key] is not None else 1])
         ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r[key]["max"] for r in ok) + 0.05))
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)

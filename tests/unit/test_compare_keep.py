@@ -32,6 +32,15 @@ def test_carries_only_the_recipes_not_rerun_and_marks_them(tmp_path):
     assert kept["ppo_math"][0]["carried_from"] == "2026-12-02T17:35:00" == source["time"]
 
 
+def test_a_run_carried_twice_keeps_the_time_it_was_measured(tmp_path):
+    path = old_result(tmp_path)
+    d = json.loads(open(path).read())
+    d["runs"]["ppo_math"][0]["carried_from"] = "2026-12-01T00:00:00"
+    open(path, "w").write(json.dumps(d))
+    kept, _ = carried_runs(path, args())
+    assert kept["ppo_math"][0]["carried_from"] == "2026-12-01T00:00:00"
+
+
 @pytest.mark.parametrize("field,value", [("steps", 250), ("seeds", "1"), ("pass_k", 0)])
 def test_refuses_a_result_measured_with_other_settings(tmp_path, field, value):
     with pytest.raises(SystemExit, match=f"settings.{field}"):
