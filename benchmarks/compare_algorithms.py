@@ -108,7 +108,13 @@ def fmt(row: dict, key: str) -> str:
 def carried_runs(path: str, args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict]:
     """The runs of ``path`` (an earlier compare_algorithms.json) for recipes not in ``--recipes``,
     each marked with where it came from; refuses a result measured with other settings."""
-    old = json.loads(Path(path).read_text())
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--keep {path}: not a readable compare_algorithms.json ({type(e).__name__}: {e})") from e
+    missing = [k for k in ("settings", "machine", "runs") if not isinstance(old, dict) or k not in old]
+    if missing:
+        raise SystemExit(f"--keep {path}: not a readable compare_algorithms.json (no {', '.join(missing)})")
     for key in ("steps", "seeds", "pass_k"):
         if str(old["settings"].get(key)) != str(getattr(args, key)):
             raise SystemExit(f"--keep {path}: settings.{key} is {old['settings'].get(key)!r}, this run's is {getattr(args, key)!r}")

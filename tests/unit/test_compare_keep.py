@@ -45,3 +45,12 @@ def test_a_run_carried_twice_keeps_the_time_it_was_measured(tmp_path):
 def test_refuses_a_result_measured_with_other_settings(tmp_path, field, value):
     with pytest.raises(SystemExit, match=f"settings.{field}"):
         carried_runs(old_result(tmp_path), args(**{field: value}))
+
+
+@pytest.mark.parametrize("text", [None, "{not json", '{"settings": {}}'])
+def test_a_missing_or_foreign_file_is_named(tmp_path, text):
+    path = tmp_path / "old.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit, match="old.json: not a readable compare_algorithms.json"):
+        carried_runs(str(path), args())
