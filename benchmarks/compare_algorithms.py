@@ -97,6 +97,8 @@ def summarise(recipe: str, runs: list[dict]) -> dict:
             out[key] = spread(values)
     out["step_s_median"] = statistics.median(r["step_s_median"] for r in ok)
     out["wall_s_mean"] = statistics.fmean(r["wall_s"] for r in ok)
+    if "carried_from" in ok[0]:
+        out["carried_from"] = ok[0]["carried_from"]
     return out
 
 
@@ -155,11 +157,9 @@ def main() -> None:
                 flush=True,
             )
     start = next((r for rs in runs.values() for r in rs if r.get("val_before") is not None), {})
-    if args.keep:
-        runs.update(kept)
-        order = {r: i for i, r in enumerate(RECIPES)}
-        runs = dict(sorted(runs.items(), key=lambda kv: order.get(kv[0], len(order))))
-    rows = [dict(summarise(recipe, rs), **({"carried_from": rs[0]["carried_from"]} if "carried_from" in rs[0] else {})) for recipe, rs in runs.items()]
+    order = {r: i for i, r in enumerate(RECIPES)}
+    runs = dict(sorted({**runs, **kept}.items(), key=lambda kv: order.get(kv[0], len(order))))
+    rows = [summarise(recipe, rs) for recipe, rs in runs.items()]
     sft = {"greedy": start.get("val_before"), f"mean@{k}": start.get("meank_before"), f"pass@{k}": start.get("passk_before")}
     path = write_json(
         "compare_algorithms",
@@ -188,6 +188,7 @@ def main() -> None:
     fig, axes = figure((5.5 * len(panels), 3.8), ncols=len(panels))
     axes = list(axes) if len(panels) > 1 else [axes]
     names = [r["recipe"].removesuffix("_math") + ("*" if "carried_from" in r else "") for r in ok]
+    carried_times = sorted({r["carried_from"] for r in ok if "carried_from" in r})
     for ax, (key, start_key, label) in zip(axes, panels, strict=True):
         means = [r[key]["mean"] for r in ok]
         err = [[m - r[key]["min"] for m, r in zip(means, ok, strict=True)], [r[key]["max"] - m for m, r in zip(means, ok, strict=True)]]
@@ -196,9 +197,8 @@ def main() -> None:
             ax.axhline(sft[start_key], color="k", ls="--", lw=1, label=f"SFT start ({sft[start_key]:.3f})")
         ax.legend(fontsize=8)
         ax.set_ylabel(f"{label} after {args.steps} steps", fontsize=9)
-        if carried_from:
-            times = sorted({r["carried_from"] for r in ok if "carried_from" in r})
-            ax.set_xlabel(f"* carried over from the run(s) of {', '.join(times)}", fontsize=8)
+        if carried_times:
+            ax.set_xlabel(f"* carried over from the run(s) of {', '.join(carried_times)}", fontsize=8)
         lo = min([r[key]["min"] for r in ok] + [sft[start_key] if sft[start_key] is not None else 1])
         ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r[key]["max"] for r in ok) + 0.05))
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
