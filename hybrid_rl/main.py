@@ -38,12 +38,17 @@ def one_line_error(exc: BaseException) -> str:
     return msg
 
 
-def precheck_overrides(argv: list[str]) -> None:
-    """Compose once with the command line's overrides so a bad key fails in one line, early."""
+def preflight_or_exit(argv: list[str]) -> None:
+    """Compose the command line's config and run every check of its task before anything starts
+    (:mod:`hybrid_rl.config.preflight`): each problem named, one line, exit 2.
+
+    Runs in the launching process; ranks started by our launcher skip it (it ran there), ranks of
+    an external torchrun (Slurm, multi-node) run it themselves, as cheaply."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
 
-    from hybrid_rl.trainer.build import conf_dir
+    from hybrid_rl.config.compose import conf_dir
+    from hybrid_rl.config.preflight import preflight, required_problems
 
     # Hydra's own parser separates its flags and their values (--cfg job, -p PKG, --config-name X,
     # --info [topic], ...) from the overrides; anything it rejects is left for Hydra to report.
@@ -51,14 +56,20 @@ def precheck_overrides(argv: list[str]) -> None:
         args = get_args_parser().parse_intermixed_args(argv)
     except SystemExit:
         return
-    if args.help or args.hydra_help or args.shell_completion:
+    if args.help or args.hydra_help or args.shell_completion or args.multirun:
         return
     overrides = [a for a in args.overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    name = args.config_name or "config"
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            compose(config_name=args.config_name or "config", overrides=overrides)
+            cfg = compose(config_name=name, overrides=overrides)
+            required = required_problems(name, overrides)
+            world = int(os.environ.get("WORLD_SIZE", "0")) or max(1, cfg.trainer.nproc_per_node)
+            problems = preflight(cfg, world, required)
     except Exception as e:
-        print(f"config error: {one_line_error(e)}", file=sys.stderr)
+        problems = [one_line_error(e)]
+    if problems:
+        print(f"config error: {'; '.join(problems)}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -121,6 +132,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" not in os.environ:
-        precheck_overrides(sys.argv[1:])
+    if "HYBRID_RL_LAUNCHER_PID" not in os.environ:
+        preflight_or_exit(sys.argv[1:])
     main()

@@ -31,22 +31,8 @@ from typing import Any
 from hybrid_rl.batch import Rollout, Sample
 from hybrid_rl.rollout.base import Completion, RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.chat import encode_tool_turn
+from hybrid_rl.rollout.settings import AgentSettings
 from hybrid_rl.rollout.tools import Tool, ToolCall, ToolResult
-
-
-@dataclass
-class AgentSettings:
-    """How episodes run; the one source of these defaults (``config.AgentConfig`` extends it with
-    enable / tool_config / parser, and the trainer passes ``rollout.agent`` itself)."""
-
-    # Model turns per episode, and the token budget of the whole response (model + tool tokens).
-    max_turns: int = 3
-    max_response_tokens: int = 128
-    # Tool responses longer than this (tokens) are truncated, keeping the head or the tail.
-    tool_response_max_tokens: int = 32
-    tool_response_keep: str = "head"
-    # continuous (a slow tool delays only its own trajectory) | lockstep
-    scheduling: str = "continuous"
 
 
 @dataclass

@@ -14,28 +14,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from hybrid_rl.config.compose import compose_recipe, conf_dir, repo_path  # noqa: F401 (re-exported)
+from hybrid_rl.config.preflight import check_model_dir  # noqa: F401 (re-exported)
 from hybrid_rl.dist import DistContext
 from hybrid_rl.errors import ConfigError, ModelPathError
 
 log = logging.getLogger("hybrid_rl")
-
-
-def check_model_dir(path: str) -> None:
-    """Fail early, naming the path, if a local model folder cannot work."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelPathError(f"model.path={path!r} does not exist (a local HF folder, or builtin:tiny / builtin:tiny-sft)")
-    if not (p / "config.json").is_file():
-        raise ModelPathError(f"model.path={path!r} has no config.json: not a Hugging Face model folder")
-    try:
-        json.loads((p / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ModelPathError(f"model.path={path!r}: config.json is corrupt ({e})") from e
-    weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
-    if not weights:
-        raise ModelPathError(f"model.path={path!r} has no weights (*.safetensors or *.bin)")
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ModelPathError(f"model.path={path!r} has no tokenizer files")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -57,22 +41,6 @@ def recipe_cache_key(recipe_cfg: Any) -> str:
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
     parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
-
-
-def compose_recipe(recipe: str, preset: str) -> Any:
-    """A recipe's config, composed with Hydra as the command line would."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    overrides = [f"+recipe={recipe}", f"model.preset={preset}"]
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name="config", overrides=overrides)
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
-def conf_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "conf"
 
 
 def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_len: int, seed: int):
@@ -97,15 +65,6 @@ def check_lengths(cfg: Any, model_path: str, extra: int = 0) -> int:
             f"max_position_embeddings={limit} ({model_path})"
         )
     return need
-
-
-def repo_path(path: str) -> str:
-    """A relative path as given if it exists from the working directory, else from the repository root."""
-    p = Path(path)
-    if p.is_absolute() or p.exists():
-        return str(p)
-    candidate = Path(__file__).resolve().parents[2] / p
-    return str(candidate if candidate.exists() else p)
 
 
 def build_tools(cfg: Any) -> tuple[list, list[dict] | None]:

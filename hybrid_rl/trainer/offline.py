@@ -26,7 +26,7 @@ def offline_steps(cfg: Any, n_examples: int) -> int:
 
 
 def offline_logger(cfg: Any, ctx: DistContext, steps: int) -> MetricsLogger:
-    run_config = OmegaConf.to_container(cfg, resolve=True)
+    run_config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return MetricsLogger(cfg.logger, Path(cfg.trainer.output_dir), run_config, steps, ctx.is_main)
 
 

@@ -16,7 +16,7 @@ LAYERS = [
     {"errors", "batch", "timing", "faults", "env", "dist", "launch"},
     {"rewards", "algorithms"},
     {"engine", "rollout"},
-    {"config", "config_checks", "data", "hybrid", "models"},
+    {"config", "data", "hybrid", "models"},
     {"trainer"},
     {"tasks", "main", "plot"},
 ]

@@ -1,0 +1,168 @@
+"""Cross-field configuration checks a schema cannot express (:func:`problems`, :func:`validate`).
+
+Every problem found is collected, so one run names all of them: ``invalid config: a; b; c``.
+Closed value sets are enums in the schema (checked when the config is composed); open sets are
+checked here against their registry, read without importing torch
+(:mod:`hybrid_rl.config.registered`). Algorithm-specific checks read what the registered estimator
+declares it needs, not lists of names. Each task runs the checks that concern it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_rl.config.registered import registered
+from hybrid_rl.errors import ConfigError
+from hybrid_rl.models.tiny import PRESETS
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Cross-field checks; raises :class:`ConfigError` naming the fields."""
+    found = problems(cfg, world_size)
+    if found:
+        raise ConfigError("invalid config: " + "; ".join(found))
+
+
+def problems(cfg: Any, world_size: int = 1) -> list[str]:
+    """Every cross-field problem of ``cfg`` for its ``trainer.task`` on ``world_size`` ranks."""
+    found = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward_model(cfg)
+    task = cfg.trainer.task
+    if task == "rl":
+        found += _rl_algorithm(cfg) + _rl_sampling(cfg) + _rl_batching(cfg, world_size)
+    elif task == "sft":
+        found += _divides(cfg.data.train_batch_size, world_size, "data.train_batch_size")
+    else:  # dpo, rm
+        found += _preference(cfg, world_size)
+    return found
+
+
+def _divides(n: int, world_size: int, key: str) -> list[str]:
+    return [f"{key}={n} does not divide over {world_size} ranks"] if n < 1 or n % world_size else []
+
+
+def _common(cfg: Any) -> list[str]:
+    a, d, act, m = cfg.algorithm, cfg.data, cfg.actor, cfg.model
+    checks = [
+        (a.loss_agg_mode not in LOSS_AGG_MODES, f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}"),
+        (cfg.critic.loss_agg_mode not in LOSS_AGG_MODES,
+         f"critic.loss_agg_mode={cfg.critic.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}"),
+        (d.max_prompt_length < 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1"),
+        (act.micro_batch_size < 1, f"actor.micro_batch_size={act.micro_batch_size} must be >= 1"),
+        (act.lr <= 0, f"actor.lr={act.lr} must be > 0"),
+        (cfg.trainer.total_steps < 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1"),
+        (m.path.startswith("builtin:") and m.preset not in PRESETS, f"model.preset={m.preset!r} must be one of {', '.join(PRESETS)}"),
+        (cfg.rollout.backend not in registered().names("backend"),
+         f"rollout.backend={cfg.rollout.backend!r} is unknown; known: {', '.join(registered().names('backend'))}"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
+
+
+def _precision(cfg: Any) -> list[str]:
+    if cfg.model.dtype is not None:
+        return [
+            f"model.dtype={cfg.model.dtype} was removed: master weights and optimizer state are always fp32; "
+            "set the training compute dtype with actor.param_dtype and the rollout engine's with rollout.dtype"
+        ]
+    return []
+
+
+def _reward_model(cfg: Any) -> list[str]:
+    rm = cfg.reward.reward_model
+    reducers = registered().names("ensemble_reduce")
+    checks = [
+        (bool(rm.ensemble) and not rm.path, "reward.reward_model.ensemble needs reward.reward_model.path (the first model)"),
+        (rm.ensemble_reduce not in reducers, f"reward.reward_model.ensemble_reduce={rm.ensemble_reduce!r} must be one of {', '.join(reducers)}"),
+        (rm.ensemble_var_coef < 0, f"reward.reward_model.ensemble_var_coef={rm.ensemble_var_coef} must be >= 0"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
+
+
+def _agent(cfg: Any) -> list[str]:
+    ag, r = cfg.rollout.agent, cfg.rollout
+    if not ag.enable or (ag.max_turns >= 1 and ag.max_response_tokens >= r.max_response_length):
+        return []
+    return ["rollout.agent.max_turns must be >= 1 and rollout.agent.max_response_tokens >= rollout.max_response_length"]
+
+
+def _preference(cfg: Any, world_size: int) -> list[str]:
+    pr, act = cfg.preference, cfg.actor
+    checks = [
+        (bool(act.max_tokens_per_micro), "actor.max_tokens_per_micro must be 0 for dpo/rm (micro-batches keep pairs and lists together)"),
+        (pr.beta <= 0, f"preference.beta={pr.beta} must be > 0"),
+        (pr.rm_loss == "listwise" and pr.list_size < 2, f"preference.list_size={pr.list_size} must be >= 2 for rm_loss=listwise"),
+        (not 0 < pr.val_fraction < 1, f"preference.val_fraction={pr.val_fraction} must be in (0, 1)"),
+        (pr.samples_per_prompt < 2, f"preference.samples_per_prompt={pr.samples_per_prompt} must be >= 2 (a pair needs two answers)"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad] + _divides(cfg.data.train_batch_size, world_size, "data.train_batch_size")
+
+
+def _rl_algorithm(cfg: Any) -> list[str]:
+    a, r, act = cfg.algorithm, cfg.rollout, cfg.actor
+    reg = registered()
+    needs = reg.needs("adv_estimator", a.adv_estimator)
+    several_updates = act.epochs > 1 or (act.mini_batch_size or 0) not in (0, cfg.data.train_batch_size * r.n)
+    checks = [
+        (a.adv_estimator not in reg.names("adv_estimator"),
+         f"algorithm.adv_estimator={a.adv_estimator!r} is unknown; known: {', '.join(reg.names('adv_estimator'))}"),
+        (a.policy_loss not in reg.names("policy_loss"),
+         f"algorithm.policy_loss={a.policy_loss!r} is unknown; known: {', '.join(reg.names('policy_loss'))}"),
+        ("group" in needs and r.n < 2,
+         f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
+         " (with one sample per prompt every advantage is 0)"),
+        ("critic" in needs and not cfg.critic.enable, f"algorithm.adv_estimator={a.adv_estimator} needs a critic: set critic.enable=true"),
+        ("greedy_baseline" in needs and not a.greedy_baseline,
+         f"algorithm.adv_estimator={a.adv_estimator} needs algorithm.greedy_baseline=true"),
+        (not 0 < a.clip_ratio_low < 1 or a.clip_ratio_high <= 0,
+         "algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0"),
+        (a.clip_ratio_c is not None and a.clip_ratio_c <= 1, f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)"),
+        (a.adv_estimator == "gfpo" and not 2 <= a.gfpo_keep <= r.n, f"algorithm.gfpo_keep={a.gfpo_keep} must be in [2, rollout.n={r.n}]"),
+        (a.overlong_buffer < 0 or a.overlong_buffer >= r.max_response_length,
+         f"algorithm.overlong_buffer={a.overlong_buffer} must be in [0, rollout.max_response_length)"),
+        (a.filter_groups and a.filter_metric == "acc" and not cfg.reward.functions,
+         "algorithm.filter_metric=acc needs reward.functions (the rule-based score it filters on); use filter_metric=score"),
+        # Without an importance ratio every update after the first is off-policy and uncorrected.
+        (a.policy_loss == "reinforce" and several_updates,
+         f"algorithm.policy_loss=reinforce has no importance ratio: it needs actor.epochs=1 (got {act.epochs}) and one "
+         f"mini-batch per step (actor.mini_batch_size=0, got {act.mini_batch_size}); use ppo_clip for several updates"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
+
+
+def _rl_sampling(cfg: Any) -> list[str]:
+    r = cfg.rollout
+    checks = [
+        (r.temperature <= 0,
+         f"rollout.temperature={r.temperature} must be > 0 for training rollouts (greedy samples have no "
+         "sampling log-probs; greedy validation is always run)"),
+        (not 0 < r.top_p <= 1 or r.top_k == 0 or r.top_k < -1,
+         f"rollout.top_p={r.top_p} must be in (0, 1] and rollout.top_k={r.top_k} -1 (off) or >= 1"),
+        (r.max_response_length < 1, f"rollout.max_response_length={r.max_response_length} must be >= 1"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
+
+
+def _rl_batching(cfg: Any, world_size: int) -> list[str]:
+    r, d, act = cfg.rollout, cfg.data, cfg.actor
+    found = []
+    tp = r.tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        found.append(f"rollout.tensor_parallel_size={tp} must divide the {world_size} ranks")
+    elif d.train_batch_size % (world_size // tp):
+        found.append(
+            f"data.train_batch_size={d.train_batch_size} does not divide over {world_size // tp} "
+            f"data-parallel rollout groups ({world_size} ranks / rollout.tensor_parallel_size={tp})"
+        )
+    elif (d.train_batch_size // (world_size // tp) * r.n) % tp:
+        found.append(f"the samples of a rollout group do not split over rollout.tensor_parallel_size={tp} ranks")
+    samples = d.train_batch_size * r.n
+    mini = act.mini_batch_size or samples
+    if samples % mini:
+        found.append(
+            f"actor.mini_batch_size={mini} does not divide the {samples} samples per step "
+            f"(data.train_batch_size={d.train_batch_size} x rollout.n={r.n})"
+        )
+    elif mini % world_size:
+        found.append(f"actor.mini_batch_size={mini} does not divide over {world_size} ranks")
+    return found

@@ -1,0 +1,129 @@
+"""The closed value sets of the configuration, as enums in the schema.
+
+OmegaConf checks an enum field when the config is composed, so a bad value fails before anything
+starts with a message that lists the allowed ones (``Invalid value 'foo', expected one of [skip,
+left, right, error]``). Each enum is a :class:`enum.StrEnum` whose names equal its values: a
+member compares, hashes, formats and JSON-encodes as its string, so code reading the config keeps
+comparing with plain strings.
+
+Open sets stay strings checked against their registry (``algorithm.adv_estimator``,
+``algorithm.policy_loss``, ``rollout.backend``, ``reward.reward_model.ensemble_reduce``), and so
+do values that are not Python names (``algorithm.loss_agg_mode``'s ``token-mean``, the
+``qwen0.5b`` preset): :mod:`hybrid_rl.config.checks` checks those.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Task(StrEnum):
+    rl = "rl"
+    sft = "sft"
+    dpo = "dpo"
+    rm = "rm"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(StrEnum):
+    """A compute dtype; ``auto`` picks what the hardware computes natively (:func:`hybrid_rl.env.auto_dtype`)."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class ReduceDType(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Truncation(StrEnum):
+    skip = "skip"
+    left = "left"
+    right = "right"
+    error = "error"
+
+
+class SyncTransport(StrEnum):
+    auto = "auto"
+    collective = "collective"
+    shm = "shm"
+
+
+class LRSchedule(StrEnum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+class RecomputeOld(StrEnum):
+    auto = "auto"
+    always = "always"
+
+
+class GradAccumulation(StrEnum):
+    sharded = "sharded"
+    unsharded = "unsharded"
+
+
+class OptimizerImpl(StrEnum):
+    fused = "fused"
+    foreach = "foreach"
+
+
+class KLEstimator(StrEnum):
+    """Schulman's k1/k2/k3 estimators of KL(pi || ref) and |log r| (:mod:`hybrid_rl.algorithms.kl`)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+    abs = "abs"
+
+
+class KLControl(StrEnum):
+    fixed = "fixed"
+    adaptive = "adaptive"
+
+
+class GFPOMetric(StrEnum):
+    length = "length"
+    reward_per_token = "reward_per_token"
+
+
+class TISMode(StrEnum):
+    none = "none"
+    token = "token"
+    sequence = "sequence"
+
+
+class FilterMetric(StrEnum):
+    """What DAPO's dynamic sampling compares within a group: ``acc`` (the verifier's score, as
+    DAPO and verl's ``filter_groups.metric=acc``) or ``score`` (the shaped training reward)."""
+
+    acc = "acc"
+    score = "score"
+
+
+class RMLoss(StrEnum):
+    pairwise = "pairwise"
+    margin = "margin"
+    listwise = "listwise"
+
+
+class ToolParser(StrEnum):
+    hermes = "hermes"
+
+
+class LoggerBackend(StrEnum):
+    console = "console"
+    tensorboard = "tensorboard"
+    jsonl = "jsonl"
+    wandb = "wandb"
+    mlflow = "mlflow"

@@ -1,0 +1,186 @@
+"""Schemas of the groups that say how a run learns and runs: algorithm, critic, preference,
+reward, trainer, logger. Every field is typed and its comment is its documentation; fields with a
+closed set of values are enums (:mod:`hybrid_rl.config.enums`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybrid_rl.config.enums import Device, FilterMetric, GFPOMetric, KLControl, KLEstimator, LoggerBackend, RMLoss, Task, TISMode
+
+
+@dataclass
+class AlgorithmConfig:
+    # Advantage estimator (registry): grpo, drgrpo, rloo, reinforce, reinforce_pp, reinforce_pp_baseline, remax, gae
+    adv_estimator: str = "grpo"
+    # GRPO: divide by the group's std (False = Dr.GRPO).
+    norm_adv_by_std: bool = True
+    # Policy loss (registry): ppo_clip, gspo, reinforce
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    # Dual-clip bound c for negative advantages (Ye et al. 2020); null disables.
+    clip_ratio_c: float | None = 3.0
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    # KL to the reference policy as a loss term (GRPO style).
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLEstimator = KLEstimator.k3
+    # KL to the reference folded into the token reward (RLHF-PPO style).
+    use_kl_in_reward: bool = False
+    kl_penalty: KLEstimator = KLEstimator.k1
+    kl_coef: float = 0.001
+    # fixed | adaptive (Ziegler et al. 2019)
+    kl_ctrl: KLControl = KLControl.fixed
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 1.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts until
+    # data.train_batch_size x rollout.n samples are kept, for at most max_gen_rounds batches.
+    filter_groups: bool = False
+    max_gen_rounds: int = 3
+    # What a group must vary in to be kept: acc (the verifier's 0/1 score, as DAPO and verl's
+    # filter_groups.metric=acc) | score (the shaped training reward: overlong penalty, learned reward).
+    filter_metric: FilterMetric = FilterMetric.acc
+    # DAPO overlong reward shaping: responses within `overlong_buffer` tokens of
+    # rollout.max_response_length lose up to `overlong_penalty_factor` linearly (0 = off);
+    # mask_truncated drops responses cut at the length limit from the loss.
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    mask_truncated: bool = False
+    # ReMax: also generate the greedy answer per prompt; its reward is the baseline.
+    greedy_baseline: bool = False
+    # GFPO: keep the best `gfpo_keep` of each group by `gfpo_metric` (length | reward_per_token).
+    gfpo_keep: int = 4
+    gfpo_metric: GFPOMetric = GFPOMetric.length
+    # Truncated importance sampling between rollout-engine and trainer log-probs: none | token | sequence.
+    tis_mode: TISMode = TISMode.none
+    tis_cap: float = 2.0
+
+
+@dataclass
+class CriticConfig:
+    # PPO's value model: a separate FSDP2 model (the policy's body + a zero-initialised scalar head).
+    enable: bool = False
+    lr: float = 1.0e-5
+    # Clip of the value update around the old values (null = plain squared error).
+    cliprange_value: float | None = 0.5
+    value_loss_coef: float = 1.0
+    # Aggregation of the value loss over tokens (same modes as algorithm.loss_agg_mode; verl's
+    # critic uses token-mean whatever the actor's mode).
+    loss_agg_mode: str = "token-mean"
+    # Steps at the start that train only the critic (the actor waits for useful values).
+    warmup_steps: int = 0
+
+
+@dataclass
+class PreferenceConfig:
+    # DPO temperature beta.
+    beta: float = 0.1
+    # Reward-model loss: pairwise (Bradley-Terry) | margin (hinge) | listwise (softmax CE over ranks).
+    rm_loss: RMLoss = RMLoss.pairwise
+    rm_margin: float = 1.0
+    # Responses per ranked list (listwise); pairs use 2.
+    list_size: int = 4
+    # Building the default preference set from the SFT model: prompts used, answers sampled per prompt.
+    n_prompts: int = 3000
+    samples_per_prompt: int = 8
+    # Distinct (correct, incorrect) pairs taken per prompt from those answers.
+    pairs_per_prompt: int = 4
+    # Held-out share of the built preference set.
+    val_fraction: float = 0.1
+    # Sampling seed of the built set; null = trainer.seed. Fixing it lets reward models trained
+    # with different trainer.seed (an ensemble's members) share one preference set.
+    seed: int | None = None
+
+
+@dataclass
+class RewardModelConfig:
+    # A learned reward model scoring (prompt, response) on the training devices: a local HF
+    # *ForSequenceClassification folder, or builtin:tiny-rm (built once by the rm_math recipe); null = off.
+    path: str | None = None
+    weight: float = 1.0
+    # More reward models (local folders or builtin:tiny-rm) scored with `path`; the learned reward
+    # is their ensemble (hybrid_rl/rewards/ensemble.py; Coste et al. 2024): mean | min (worst
+    # case) | uwo (mean - ensemble_var_coef * variance over the models), each model's scores
+    # standardised over the step's batch first when ensemble_normalize (offsets differ by seed).
+    ensemble: list[str] = field(default_factory=list)
+    ensemble_reduce: str = "mean"
+    ensemble_var_coef: float = 1.0
+    ensemble_normalize: bool = True
+
+
+@dataclass
+class RewardFnConfig:
+    # Built-in: math (math-verify), format (\boxed{} present), or "custom" with path/function.
+    name: str = "math"
+    weight: float = 1.0
+    path: str | None = None
+    function: str | None = None
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # Worker processes that score responses, and the per-response timeout (s).
+    num_workers: int = 1
+    timeout_s: float = 10.0
+    # Score given when a reward function raises, times out or returns a non-number.
+    failure_score: float = 0.0
+    # Stop the run if every sample of this many consecutive steps failed to score.
+    max_failed_steps: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    # rl | sft | dpo | rm
+    task: Task = Task.rl
+    run_name: str = "default"
+    output_dir: str = "outputs/${trainer.run_name}"
+    # Ranks on this node; >1 relaunches under torchrun. Under torchrun the launcher's value wins.
+    nproc_per_node: int = 1
+    # auto | cpu | cuda
+    device: Device = Device.auto
+    seed: int = 0
+    total_steps: int = 20
+    # Validate every N steps (0 = never) and before the first step.
+    val_every: int = 5
+    val_before_train: bool = True
+    # Checkpoint every N steps (0 = off), and/or when this many minutes of wall time passed since
+    # the last one (0 = off); always at the end. A crash or kill -9 loses at most that much work.
+    save_every: int = 0
+    save_every_minutes: float = 10.0
+    keep_last: int = 2
+    # After a Ctrl-C / SIGTERM the launcher waits this long for the ranks to finish their step
+    # and checkpoint, then kills them (the last complete checkpoint stays); a second signal
+    # kills them at once.
+    shutdown_grace_s: float = 300.0
+    # Libraries the launcher preloads into the ranks (LD_PRELOAD): auto (tcmalloc + Intel OpenMP
+    # on CPU, as vLLM's CPU backend asks; nothing on CUDA) | none | tcmalloc | iomp | paths (a:b).
+    preload: str = "auto"
+    # auto (latest in output_dir) | none | a checkpoint directory
+    resume: str = "auto"
+    # Export the final policy as an HF folder (output_dir/hf).
+    export_hf: bool = True
+    # Rollouts may be at most this many weight versions old (0 = strictly on-policy).
+    max_staleness: int = 0
+    # Abort after this many consecutive updates with a non-finite loss or gradient norm (each is skipped).
+    max_bad_steps: int = 3
+    # Seconds a collective may wait before the run fails with an error instead of hanging.
+    collective_timeout_s: int = 600
+    # SFT only: epochs over the training split (the step budget wins if reached first).
+    sft_epochs: float = 1.0
+
+
+@dataclass
+class LoggerConfig:
+    # Any of: console, tensorboard, jsonl, wandb, mlflow (wandb/mlflow only when installed).
+    backends: list[LoggerBackend] = field(
+        default_factory=lambda: [LoggerBackend.console, LoggerBackend.tensorboard, LoggerBackend.jsonl]
+    )
+    project: str = "hybrid_rl"
+    progress_bar: bool = True
