@@ -33,8 +33,10 @@ class Sample:
     ground_truth: Any = None
     data_source: str = ""
     extra_info: dict = field(default_factory=dict)
-    # Filled by the reward stage.
+    # Filled by the reward stage: the training reward (rule-based functions + overlong shaping +
+    # learned reward), and `acc`, the rule-based functions' score alone (DAPO's filter metric).
     score: float = 0.0
+    acc: float = 0.0
     reward_extra: dict = field(default_factory=dict)
     # ReMax: the reward of the greedy answer to the same prompt.
     baseline_score: float = 0.0
@@ -68,6 +70,7 @@ class TrainBatch:
     baseline_scores: Tensor | None = None  # [B] ReMax: reward of the greedy answer to the same prompt
     rollout_logprobs: Tensor | None = None  # [B, R] from the rollout engine's sampler
     old_logprobs: Tensor | None = None  # [B, R] trainer forward before the update
+    old_kl_logprobs: Tensor | None = None  # [B, R] the same without top-k/top-p (KL in reward); None = old_logprobs
     ref_logprobs: Tensor | None = None  # [B, R] frozen reference policy
     token_rewards: Tensor | None = None  # [B, R] score at the last token, minus KL if in reward
     values: Tensor | None = None  # [B, R] critic values V(s_t)
@@ -165,6 +168,9 @@ class ModelOutputs(NamedTuple):
     """What the training engine's forward gives a loss function, aligned with the response."""
 
     logprobs: Tensor | None = None  # [b, R] log pi(y_t | x, y_<t) of the response tokens
+    # [b, R] the same under softmax(logits / T) without top-k/top-p, when those truncate (else None):
+    # what the KL terms use, on both sides (the reference has no sampling truncation).
+    kl_logprobs: Tensor | None = None
     entropy: Tensor | None = None  # [b, R] entropy of pi(. | x, y_<t)
     values: Tensor | None = None  # [b, R] critic values (value head)
     scores: Tensor | None = None  # [b] scalar head at the last token (reward model)

@@ -60,14 +60,17 @@ def preflight_or_exit(argv: list[str]) -> None:
         return
     overrides = [a for a in args.overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     name = args.config_name or "config"
+    notes: list[str] = []
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = compose(config_name=name, overrides=overrides)
             required = required_problems(name, overrides)
             world = int(os.environ.get("WORLD_SIZE", "0")) or max(1, cfg.trainer.nproc_per_node)
-            problems = preflight(cfg, world, required)
+            problems = preflight(cfg, world, required, notes)
     except Exception as e:
         problems = [one_line_error(e)]
+    if notes and not problems:
+        print(f"resuming with changed settings: {'; '.join(notes)}", file=sys.stderr, flush=True)
     if problems:
         print(f"config error: {'; '.join(problems)}", file=sys.stderr)
         sys.exit(2)

@@ -19,6 +19,25 @@ def informative_groups(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> 
     return (hi - lo > eps)[inv]
 
 
+def whole_groups(group_ids: list[int], cap: int, world_size: int) -> int:
+    """How many leading rows to use: whole groups only, at most ``cap`` rows, a multiple of
+    ``world_size`` (each rank trains on the same number of rows). ``group_ids`` runs in
+    contiguous groups; a group cut short would get its advantages from a partial group."""
+    take = best = 0
+    i = 0
+    while i < len(group_ids):
+        j = i
+        while j < len(group_ids) and group_ids[j] == group_ids[i]:
+            j += 1
+        if take + (j - i) > cap:
+            break
+        take += j - i
+        if take % world_size == 0:
+            best = take
+        i = j
+    return best
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:
     r"""DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward ``[B]``.
 

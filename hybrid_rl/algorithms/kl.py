@@ -10,6 +10,7 @@ With :math:`\log r = \log\pi_{ref}(y_t) - \log\pi_\theta(y_t)` on tokens sampled
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,8 @@ class AdaptiveKLController:
     horizon: int
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):  # NaN passes min/max and would be checkpointed: keep beta
+            return
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 

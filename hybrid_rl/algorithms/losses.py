@@ -171,7 +171,10 @@ def make_actor_loss(cfg: Any) -> LossFn:
         if cfg.use_kl_loss:
             if mb.ref_logprobs is None:
                 raise ValueError("algorithm.use_kl_loss needs reference log-probs in the batch")
-            kl = kl_estimate(out.logprobs, mb.ref_logprobs, cfg.kl_loss_type)
+            # Untruncated on both sides: a top-k/top-p policy against the full-softmax reference
+            # would give a KL > 0 at identical weights.
+            policy = out.kl_logprobs if out.kl_logprobs is not None else out.logprobs
+            kl = kl_estimate(policy, mb.ref_logprobs, cfg.kl_loss_type)
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
             loss = loss + cfg.kl_loss_coef * kl
         return (loss * mb.loss_weights).sum(), metrics

@@ -9,6 +9,8 @@ only small files, and names every problem at once (``main`` prints them as one l
 - a local model folder: ``config.json``, weights, tokenizer files and a chat template, and
   prompt + response lengths against its ``max_position_embeddings`` (no weights are read);
 - data files, the agent's tool config, and custom reward functions (file, function, signature);
+- resuming (``trainer.resume``): the checkpoint must come from the same model and keep the
+  settings its state depends on (:mod:`hybrid_rl.resume`); other changes are printed;
 - the recipe of a builtin warm start (``builtin:tiny-sft``, ``builtin:tiny-rm``), which would
   otherwise run a whole SFT or reward-model job before the run's own config is looked at.
 """
@@ -25,6 +27,7 @@ from omegaconf import OmegaConf
 from hybrid_rl.config.checks import problems as config_problems
 from hybrid_rl.config.compose import compose_recipe, composed_files, conf_dir, repo_path
 from hybrid_rl.errors import ModelPathError
+from hybrid_rl.resume import resume_problems
 
 # The builtin models and the recipes that build them on first use.
 BUILTIN_RECIPES = {"builtin:tiny-sft": "model.sft_recipe", "builtin:tiny-rm": "rm_math"}
@@ -33,8 +36,9 @@ BUILTIN_MAX_POSITIONS = 1024  # hybrid_rl.models.tiny builds every preset with t
 REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def preflight(cfg: Any, world_size: int, required: list[str] | None = None) -> list[str]:
-    """Every problem of the composed ``cfg`` (a DictConfig) on ``world_size`` ranks, as one message each."""
+def preflight(cfg: Any, world_size: int, required: list[str] | None = None, notes: list[str] | None = None) -> list[str]:
+    """Every problem of the composed ``cfg`` (a DictConfig) on ``world_size`` ranks, as one message
+    each; what the run will go on with but should say (changed settings on resume) goes to ``notes``."""
     found = list(required or [])
     try:
         typed = OmegaConf.to_object(cfg)
@@ -43,6 +47,11 @@ def preflight(cfg: Any, world_size: int, required: list[str] | None = None) -> l
     found += config_problems(typed, world_size) + data_problems(typed) + reward_problems(typed)
     if not any(p.startswith("model.path ") for p in found):  # else the default path would be checked
         found += model_problems(typed) + warm_start_problems(typed, world_size)
+    if typed.trainer.task == "rl" and not found:
+        refused, changed = resume_problems(typed, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+        found += refused
+        if notes is not None:
+            notes += changed
     return list(dict.fromkeys(found))
 
 

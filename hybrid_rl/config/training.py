@@ -162,7 +162,9 @@ class TrainerConfig:
     # Libraries the launcher preloads into the ranks (LD_PRELOAD): auto (tcmalloc + Intel OpenMP
     # on CPU, as vLLM's CPU backend asks; nothing on CUDA) | none | tcmalloc | iomp | paths (a:b).
     preload: str = "auto"
-    # auto (latest in output_dir) | none | a checkpoint directory
+    # auto (the newest checkpoint in output_dir, if any) | never (start over) | must (fail when there
+    # is none) | a checkpoint directory. A checkpoint of another model, or with changed optimizer or
+    # data settings, is refused before anything starts; other changed settings are printed.
     resume: str = "auto"
     # Export the final policy as an HF folder (output_dir/hf).
     export_hf: bool = True

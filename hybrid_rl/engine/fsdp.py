@@ -17,8 +17,6 @@ import math
 import os
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
 from hybrid_rl.engine.heads import Sampling
+from hybrid_rl.engine.optim import OptimConfig, lr_lambda
 from hybrid_rl.engine.sharded_init import has_meta_params, materialize
 
 DTYPES = {
@@ -60,52 +59,6 @@ def to_dtype(name: str | None, device: torch.device | str | None = None) -> torc
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-@dataclass
-class OptimConfig:
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    warmup_steps: int
-    schedule: str
-    min_lr_ratio: float
-    total_steps: int
-    grad_clip: float
-    # AdamW kernel: "fused" (one kernel per step over all shards, no full-size temporaries) or
-    # "foreach" (torch's default: its step allocates temporaries the size of the shards, ~1.5x
-    # the fp32 weights more at the peak; measured by benchmarks/memory_scaling.py).
-    impl: str = "fused"
-
-    @classmethod
-    def from_actor(cls, actor_cfg: Any, total_steps: int) -> OptimConfig:
-        """The optimizer and schedule an ``actor`` config section describes."""
-        return cls(
-            lr=actor_cfg.lr,
-            weight_decay=actor_cfg.weight_decay,
-            betas=tuple(actor_cfg.betas),
-            warmup_steps=actor_cfg.warmup_steps,
-            schedule=actor_cfg.lr_schedule,
-            min_lr_ratio=actor_cfg.min_lr_ratio,
-            total_steps=total_steps,
-            grad_clip=actor_cfg.grad_clip,
-            impl=actor_cfg.optimizer_impl,
-        )
-
-
-def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
-    """Linear warm-up, then constant or cosine decay to ``min_lr_ratio``."""
-
-    def fn(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "cosine":
-            span = max(cfg.total_steps - cfg.warmup_steps, 1)
-            progress = min((step - cfg.warmup_steps) / span, 1.0)
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    return fn
 
 
 def micro_batches(batch: TrainBatch, micro_size: int, max_tokens: int = 0) -> list[TrainBatch]:
@@ -207,8 +160,8 @@ class FSDPEngine:
                 if value is None:
                     continue
                 v = value.float().cpu()
-                if v.dim() == 2:
-                    v = torch.nn.functional.pad(v * real, (0, r_full - v.shape[1]))
+                if v.dim() == 2:  # where, not v * real: a padding log-prob may be -inf, and -inf * 0 is NaN
+                    v = torch.nn.functional.pad(torch.where(real > 0, v, 0.0), (0, r_full - v.shape[1]))
                 fields.setdefault(name, []).append(v)
         return ModelOutputs(**{k: torch.cat(v) for k, v in fields.items()})
 
@@ -251,12 +204,12 @@ class FSDPEngine:
         *values, total_weight, total_loss = all_reduce_sum([sums[k] for k in keys] + [total_weight, total_loss])
         metrics = {k: v / max(total_weight, 1e-12) for k, v in zip(keys, values, strict=True)}
         metrics["actor/loss"] = total_loss
-        metrics.update(self._optimizer_step())
+        metrics.update(self._optimizer_step(math.isfinite(total_loss)))
         metrics["actor/micro_batches"] = float(len(mbs))
         return metrics
 
-    def _optimizer_step(self) -> dict[str, float]:
-        """Clip, then step unless the gradient norm is not finite (then skip and count)."""
+    def _optimizer_step(self, loss_finite: bool = True) -> dict[str, float]:
+        """Clip, then step unless the loss or the gradient norm is not finite (then skip and count)."""
         assert self.optimizer is not None and self.optim_cfg is not None
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf"))
@@ -264,7 +217,7 @@ class FSDPEngine:
             norm = norm.full_tensor()
         grad_norm = float(norm)
         out = {"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"]}
-        if math.isfinite(grad_norm):
+        if loss_finite and math.isfinite(grad_norm):
             self.optimizer.step()
             self.consecutive_bad_steps = 0
         else:

@@ -28,6 +28,10 @@ class Sampling(NamedTuple):
     top_k: int = -1
     top_p: float = 1.0
 
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
     @classmethod
     def of(cls, s: Sampling | float) -> Sampling:
         return s if isinstance(s, Sampling) else cls(temperature=float(s))
@@ -53,20 +57,30 @@ def truncate_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tens
     return logits
 
 
+# The log-prob a truncated head gives a target outside the top-k / top-p set (padding targets,
+# or a sampled token that the trainer's numerics put just outside it): finite, so that masking it
+# with a 0 gives 0 (-inf x 0 is NaN) and a ratio with it is 0 rather than NaN; its gradient is 0.
+OUTSIDE_LOGPROB = -1.0e4
+
+
 def _chunk_logprobs_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     logits = F.linear(hidden, weight).float()
     if temperature != 1.0:
         logits = logits / temperature
+    full = None
     if top_k > 0 or top_p < 1.0:
+        full = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         logits = truncate_logits(logits, top_k, top_p)
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets[:, None])[:, 0] - lse
+    if full is not None:
+        logprobs = torch.where(torch.isfinite(logprobs), logprobs, torch.full_like(logprobs, OUTSIDE_LOGPROB))
     probs = torch.softmax(logits, dim=-1)
     # 0 * -inf is nan: truncated tokens contribute nothing to the entropy
     entropy = lse - torch.where(probs > 0, probs * logits, torch.zeros_like(logits)).sum(-1)
-    return logprobs, entropy
+    return logprobs, entropy, logprobs if full is None else full
 
 
 def logprobs_and_entropy(
@@ -80,22 +94,31 @@ def logprobs_and_entropy(
     (activation checkpointing), so memory stays ~``chunk x V`` whatever N is. With top-k/top-p
     (:class:`Sampling`) the log-probs are those of the truncated, renormalised distribution
     (a sampled token is always inside it; the set is piecewise constant, so gradients flow
-    through the kept logits only).
+    through the kept logits only); a target outside the set gets :data:`OUTSIDE_LOGPROB`.
     """
+    lp, ent, _ = logprobs_entropy_untruncated(hidden, weight, targets, temperature, chunk)
+    return lp, ent
+
+
+def logprobs_entropy_untruncated(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: Sampling | float = 1.0, chunk: int = 1024
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`logprobs_and_entropy` plus the targets' log-probs under ``softmax(logits / T)``
+    without top-k/top-p (the same tensor when nothing truncates): the KL terms compare the policy
+    and the reference on this one, as verl does, so identical weights give a KL of exactly 0."""
     s = Sampling.of(temperature)
-    outs_lp, outs_ent = [], []
+    outs: list[tuple[Tensor, Tensor, Tensor]] = []
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_chunk_logprobs_entropy, h, weight, t, *s, use_reentrant=False)
+            outs.append(checkpoint(_chunk_logprobs_entropy, h, weight, t, *s, use_reentrant=False))
         else:
-            lp, ent = _chunk_logprobs_entropy(h, weight, t, *s)
-        outs_lp.append(lp)
-        outs_ent.append(ent)
-    if not outs_lp:
+            outs.append(_chunk_logprobs_entropy(h, weight, t, *s))
+    if not outs:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(outs_lp), torch.cat(outs_ent)
+        return empty, empty, empty
+    lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    return lp, ent, torch.cat([o[2] for o in outs]) if s.truncates else lp
 
 
 def pack_plan(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -198,9 +221,10 @@ class PolicyModule(nn.Module):
         r = t - prompt_len
         h = hidden[:, prompt_len - 1 : t - 1].reshape(b * r, -1)
         targets = input_ids[:, prompt_len:].reshape(b * r)
-        lp, ent = logprobs_and_entropy(h, self.lm.lm_head.weight, targets, temperature, self.logprob_chunk)
+        lp, ent, full = logprobs_entropy_untruncated(h, self.lm.lm_head.weight, targets, temperature, self.logprob_chunk)
         # Not views of the flat tensors: FSDP2 hooks module outputs and warns about views.
-        return ModelOutputs(logprobs=lp.reshape(b, r).clone(), entropy=ent.reshape(b, r).clone())
+        kl_lp = full.reshape(b, r).clone() if Sampling.of(temperature).truncates else None
+        return ModelOutputs(logprobs=lp.reshape(b, r).clone(), entropy=ent.reshape(b, r).clone(), kl_logprobs=kl_lp)
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(self.lm.model.layers)

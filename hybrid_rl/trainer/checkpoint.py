@@ -31,34 +31,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hybrid_rl.dist import barrier
-
-MANIFEST = "manifest.json"
+from hybrid_rl.resume import MANIFEST, latest_checkpoint, list_checkpoints  # noqa: F401 (re-exported)
 
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Valid checkpoints (with a manifest), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file():
-            try:
-                manifest = json.loads((p / MANIFEST).read_text())
-            except (json.JSONDecodeError, OSError):
-                continue
-            if all((p / name).is_file() for name in manifest.get("files", [])):
-                found.append(p)
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    ckpts = list_checkpoints(root)
-    return ckpts[-1] if ckpts else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -70,9 +47,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any], keep_last: int, rank: int, world: int
+    root: str | Path, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any], keep_last: int, rank: int, world: int,
+    made_from: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. ``app_state`` goes through DCP, ``trainer_state`` per rank."""
+    """Collective: every rank calls it. ``app_state`` goes through DCP, ``trainer_state`` per rank;
+    ``made_from`` (the model's identity and the resolved config, :mod:`hybrid_rl.resume`) goes
+    into the manifest, where a resume reads it before loading anything."""
     root = Path(root)
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
@@ -87,6 +67,7 @@ def save_checkpoint(
     barrier()
     if rank == 0:
         manifest = {"step": step, "world_size": world, "time": time.time(), "files": sorted(p.name for p in tmp.iterdir())}
+        manifest.update(made_from or {})
         with (tmp / MANIFEST).open("w") as fh:
             json.dump(manifest, fh)
             fh.flush()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty
+from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty, whole_groups
 from hybrid_rl.batch import Rollout, collate
 from hybrid_rl.data.dataset import PromptSampler
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, raise_if_any_failed
@@ -183,7 +183,10 @@ class RolloutCollector:
         while True:
             everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
             drawn += len({s.group for s in everyone})
-            mask = informative_groups(torch.tensor([s.score for s in everyone]), torch.tensor([s.group for s in everyone]))
+            # DAPO filters on accuracy (verl's filter_groups.metric=acc): a group right in every
+            # answer but differing only in the overlong penalty has nothing to teach but length.
+            values = [s.acc if a.filter_metric == "acc" else s.score for s in everyone]
+            mask = informative_groups(torch.tensor(values), torch.tensor([s.group for s in everyone]))
             kept += [s for s, k in zip(everyone, mask.tolist(), strict=True) if k]
             rounds += 1
             if len(kept) >= target or rounds >= a.max_gen_rounds:
@@ -196,14 +199,14 @@ class RolloutCollector:
                 rollout.stats[k] = rollout.stats.get(k, 0.0) + v
             rollout = Rollout(extra.samples, extra.weights_version, rollout.stats)
         m.update(merge_round_metrics(round_metrics))
-        per_rank = min(len(kept), target) // self.ctx.world_size
-        mine = kept[: per_rank * self.ctx.world_size][self.ctx.rank :: self.ctx.world_size]
+        used = whole_groups([s.group for s in kept], target, self.ctx.world_size)
+        mine = kept[:used][self.ctx.rank :: self.ctx.world_size]
         m.update(
             {
                 "dapo/gen_rounds": float(rounds),
                 "dapo/prompts_drawn": float(drawn),
                 "dapo/kept_samples": float(len(kept)),
-                "dapo/used_samples": float(per_rank * self.ctx.world_size),
+                "dapo/used_samples": float(used),
             }
         )
         return Rollout(mine, rollout.weights_version, rollout.stats)
@@ -229,7 +232,7 @@ class RolloutCollector:
         )
         learned, members, z = self.score_with_reward_models(samples)
         for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):
-            s.score, s.reward_extra = r.score + p + lr, {**r.components, **r.extra}
+            s.score, s.acc, s.reward_extra = r.score + p + lr, r.score, {**r.components, **r.extra}
         self.reward_pool.check_failures(results)
         scores = torch.tensor([s.score for s in samples])
         groups = torch.tensor([s.group for s in samples])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,42 +23,27 @@ from hybrid_rl.algorithms.kl import kl_estimate, kl_in_reward, make_kl_controlle
 from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, make_critic_loss, masked_mean
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, TrainBatch, collate
-from hybrid_rl.config import validate
-from hybrid_rl.dist import (
-    DistContext,
-    all_reduce_max,
-    all_reduce_max_list,
-    all_reduce_sum,
-    barrier,
-    gather_rows,
-    mean_over_ranks,
-)
-from hybrid_rl.engine.flops import DecoderFlops
+from hybrid_rl.dist import DistContext, all_reduce_sum, barrier, gather_rows
 from hybrid_rl.engine.heads import Sampling
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import fault_active, maybe_fail
-from hybrid_rl.hybrid.switch import SwitchReport
+from hybrid_rl.resume import model_identity
 from hybrid_rl.timing import PhaseTimer, process_stats
 from hybrid_rl.trainer import checkpoint as ckpt
 from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.logger import MetricsLogger
+from hybrid_rl.trainer.run_control import RunControl
+from hybrid_rl.trainer.step_metrics import Throughput, reduce_metrics, switch_metrics
 from hybrid_rl.trainer.validation import evaluate, paired_gain
 
 log = logging.getLogger("hybrid_rl")
-
-
-def model_flops(engine: Any) -> DecoderFlops | None:
-    """The FLOP counter for the engine's HF causal LM (None where it has none, e.g. a fake)."""
-    config = getattr(getattr(getattr(engine, "module", None), "lm", None), "config", None)
-    return DecoderFlops.from_hf_config(config) if config is not None else None
 
 
 class RLTrainer:
     """The RL loop over assembled parts (:func:`hybrid_rl.trainer.build.build_rl_parts`)."""
 
     def __init__(self, cfg: Any, ctx: DistContext, parts: RLParts) -> None:
-        validate(cfg, ctx.world_size)
         self.cfg, self.ctx, self.parts = cfg, ctx, parts
         self.out_dir = Path(cfg.trainer.output_dir)
         # Composition: the trainer reads its parts by name.
@@ -75,15 +59,13 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
-        self.flops = model_flops(parts.actor)
+        self.throughput = Throughput(parts.actor, cfg.actor.epochs)
+        resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        made_from = {"model": model_identity(cfg.model), "config": resolved}
+        self.control = RunControl(cfg.trainer, ctx, self.out_dir, parts.actor, parts.critic, made_from)
         self.step_idx = 0
-        self.stop_requested = False
-        self.last_save = time.monotonic()
-        self.saved_step: int | None = None  # the step the newest checkpoint holds
         self.val_start_hits: torch.Tensor | None = None  # the run's first validation, per problem
-        self.logger = MetricsLogger(
-            cfg.logger, self.out_dir, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.total_steps, ctx.is_main
-        )
+        self.logger = MetricsLogger(cfg.logger, self.out_dir, resolved, cfg.trainer.total_steps, ctx.is_main)
         ckpt.record_scheduler_job(self.out_dir, ctx.is_main)
         self._maybe_resume()
 
@@ -91,19 +73,19 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
-        self._install_signal_handler()
+        self.control.install_signal_handler()
         if cfg.val_before_train and self.step_idx == 0:
             self.logger.log(0, self.validate())
-        while self.step_idx < cfg.total_steps and not self._stop_agreed():
+        while self.step_idx < cfg.total_steps and not self.control.stop_agreed():
             metrics = self.step()
             if cfg.val_every and (self.step_idx % cfg.val_every == 0 or self.step_idx == cfg.total_steps):
                 metrics.update(self.validate())
             self.logger.log(self.step_idx, metrics)
             last = metrics
-            if self._checkpoint_due() and self.step_idx < cfg.total_steps:
+            if self.control.due(self.step_idx) and self.step_idx < cfg.total_steps:
                 self.save()
         self.save()
-        if cfg.export_hf and not self.stop_requested:
+        if cfg.export_hf and not self.control.stop_requested:
             self.actor.export_hf(str(self.out_dir / "hf"), self.tokenizer)
         self.logger.close()
         return last
@@ -115,19 +97,19 @@ class RLTrainer:
         with timer.phase("step"):
             rollout = self.collector.collect(self.step_idx, timer, m)
             with timer.phase("switch_to_train"):
-                m.update(self.switch_metrics(self.switch.to_train()))
+                m.update(switch_metrics(self.switch.to_train()))
             m.update(self.train_on_batch(rollout, timer))
             self.check_numerics()
             maybe_fail("switch", self.step_idx + 1, self.ctx.rank)
             with timer.phase("switch_to_rollout"):
                 skip = fault_active("skip_sync", self.step_idx + 1)
-                m.update(self.switch_metrics(self.switch.to_rollout(skip_sync=skip)))
+                m.update(switch_metrics(self.switch.to_rollout(skip_sync=skip)))
         self.step_idx += 1
         m.update(rollout.stats)
         m.update(timer.metrics())
         m["weights_version"] = float(self.switch.weights_version)
         m.update(process_stats())
-        return self.reduce_metrics(m)
+        return reduce_metrics(m)
 
     def train_on_batch(self, rollout: Rollout, timer: PhaseTimer | None = None) -> dict[str, float]:
         """Log-probs, advantages and the policy (and critic) update on one scored rollout, with
@@ -178,8 +160,9 @@ class RLTrainer:
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, float]:
         """Old log-probs from the actor (unless exactly on-policy), reference log-probs and
         critic values, under the distribution the engine sampled from (temperature, top-k, top-p).
-        The reference keeps the full softmax at the temperature: truncating it to its own
-        nucleus would give -inf on tokens the policy may still sample."""
+        The reference keeps the full softmax at the temperature (truncating it to its own nucleus
+        would give -inf on tokens the policy may still sample), and every KL term compares it with
+        the policy's untruncated log-probs, so identical weights give a KL of 0."""
         if self.critic is not None:
             batch.values = self.critic.forward_outputs(batch).values
         if self.ref is not None:
@@ -187,22 +170,27 @@ class RLTrainer:
         if self.exactly_on_policy:
             return {}  # the loss uses logprobs.detach() and reports the rollout mismatch itself
         out = self.actor.forward_outputs(batch, self.sampling)
-        batch.old_logprobs = out.logprobs
+        batch.old_logprobs, batch.old_kl_logprobs = out.logprobs, out.kl_logprobs
         m = {"actor/entropy_old": float(masked_mean(out.entropy, batch.response_mask))}
         if self.ref is not None:
-            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
+            kl = kl_estimate(self._kl_side(batch), batch.ref_logprobs, "k3")
             m["actor/ref_kl_k3"] = float(masked_mean(kl, batch.response_mask))
         diff = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
         m["rollout/logprob_diff_mean"] = float(diff.sum() / batch.response_mask.sum().clamp(min=1))
         m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         return m
 
+    @staticmethod
+    def _kl_side(batch: TrainBatch) -> torch.Tensor:
+        """The policy's side of a KL term: its log-probs without top-k/top-p (the reference's have none)."""
+        return batch.old_kl_logprobs if batch.old_kl_logprobs is not None else batch.old_logprobs
+
     def compute_advantages(self, batch: TrainBatch) -> dict[str, float]:
         """Token rewards (KL folded in if configured), then the registered estimator on the global batch."""
         a = self.cfg.algorithm
         kl = None
         if a.use_kl_in_reward:
-            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_penalty)
+            kl = kl_estimate(self._kl_side(batch), batch.ref_logprobs, a.kl_penalty)
         batch.token_rewards = kl_in_reward(batch.scores, batch.response_mask, kl, self.kl_ctrl.value)
         fields = {"token_rewards": batch.token_rewards, "response_mask": batch.response_mask, "group_ids": batch.group_ids}
         if batch.values is not None:
@@ -263,67 +251,6 @@ class RLTrainer:
         out["actor/optimizer_steps"] = float(n)
         return out
 
-    # ================================================================ metrics
-    @staticmethod
-    def switch_metrics(report: SwitchReport) -> dict[str, float]:
-        m = {f"switch/{report.direction}/{k}_s": v for k, v in report.seconds.items()}
-        m[f"switch/{report.direction}_s"] = report.total_seconds
-        last = list(report.memory.values())[-1] if report.memory else {}
-        for k, v in last.items():
-            m[f"memory/after_{report.direction}/{k}"] = v
-        m[f"switch/{report.direction}/freed"] = float(report.freed)
-        for k, v in report.moved_bytes.items():
-            m[f"switch/{report.direction}/moved_mib/{k}"] = v / 2**20
-        return m
-
-    def throughput(self, rollout: Rollout, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
-        # Model-written tokens (tool output excluded); clip_ratio: responses cut at the budget.
-        lengths = torch.tensor([sum(s.response_mask) for s in rollout.samples], dtype=torch.float32)
-        epochs = self.cfg.actor.epochs
-        local = [float(lengths.sum()), float(batch.attention_mask.sum()) * epochs, *self.flop_counts(rollout)]
-        gen_tokens, train_tokens, update_flops, gen_flops = all_reduce_sum(local)  # one collective for all four
-
-        def per_s(amount: float, phase: str) -> float:
-            return amount / max(timer.seconds.get(phase, 1e-9), 1e-9)
-
-        m = {
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
-            "rollout/tokens_per_s": per_s(gen_tokens, "generate"),
-            "train/tokens_per_s": per_s(train_tokens, "update"),
-        }
-        if self.flops is not None:
-            m["perf/update_tflops_per_s"] = per_s(update_flops, "update") / 1e12
-            m["perf/generate_tflops_per_s"] = per_s(gen_flops, "generate") / 1e12
-        return m
-
-    def flop_counts(self, rollout: Rollout) -> list[float]:
-        """This rank's model FLOPs of the policy update (forward + backward, all epochs; with the
-        shared-prefix forward each group's prompt counts once, as it is computed once) and of
-        generation (:mod:`hybrid_rl.engine.flops`); over the phases' times they are the achieved
-        FLOP/s, whose ratio to the hardware's peak is MFU (benchmarks/precision.py measures both)."""
-        if self.flops is None:
-            return [0.0, 0.0]
-        s = rollout.samples
-        prompt = [len(x.prompt_ids) for x in s]
-        response = [len(x.response_ids) for x in s]
-        groups = [x.group for x in s]
-        shared = getattr(self.actor.module, "shared_prefix", False)
-        train = self.flops.train_shared_prefix(prompt, response, groups) if shared else self.flops.train([x.text_len for x in s])
-        return [train * self.cfg.actor.epochs, self.flops.generate(prompt, response, groups)]
-
-    def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
-        """Mean over ranks, except token counts (summed), throughput (already global) and memory
-        peaks (the largest rank's: the one that meets the limit first)."""
-        summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
-        globals_ = {k for k in m if k.endswith(("tokens_per_s", "tflops_per_s")) or k.startswith("dapo/")}
-        peaks = sorted(k for k in m if "peak_" in k and k not in summed and k not in globals_)
-        sums = dict(zip(sorted(summed), all_reduce_sum([m[k] for k in sorted(summed)]), strict=True))
-        maxes = dict(zip(peaks, all_reduce_max_list([m[k] for k in peaks]), strict=True))
-        means = mean_over_ranks({k: v for k, v in m.items() if k not in summed and k not in globals_ and k not in maxes})
-        return {**means, **sums, **maxes, **{k: m[k] for k in globals_}}
-
     # ================================================================ validation
     def validate(self) -> dict[str, float]:
         """Held-out metrics; from the second validation on also ``val/gain`` and ``val/gain_se``,
@@ -352,44 +279,16 @@ class RLTrainer:
         return out
 
     # ================================================================ checkpoints
-    def app_states(self) -> dict[str, ckpt.AppState]:
-        states = {"app": ckpt.AppState(self.actor)}
-        if self.critic is not None:
-            states["critic"] = ckpt.AppState(self.critic)
-        return states
-
     def save(self) -> None:
-        """Checkpoint the current step, unless it is already on disk (a stop right after a
-        scheduled save, or a resume at ``total_steps``): saving it twice would only open a window
-        in which the one good copy is being replaced."""
-        if self.saved_step == self.step_idx:
-            return
-        if not self.actor.params_finite():
-            raise NumericalError(f"step {self.step_idx}: the policy has non-finite parameters; refusing to write a checkpoint")
-        maybe_fail("save", self.step_idx, self.ctx.rank)
-        path = ckpt.save_checkpoint(
-            self.out_dir / "checkpoints",
-            self.step_idx,
-            self.app_states(),
-            ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value, self.val_start_hits),
-            self.cfg.trainer.keep_last,
-            self.ctx.rank,
-            self.ctx.world_size,
-        )
-        self.last_save = time.monotonic()
-        self.saved_step = self.step_idx
-        if self.ctx.is_main:
-            log.info("saved checkpoint %s", path)
+        run_state = ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value, self.val_start_hits)
+        self.control.save(self.step_idx, run_state)
 
     def _maybe_resume(self) -> None:
-        mode = self.cfg.trainer.resume
-        if mode == "none":
-            return
-        path = ckpt.latest_checkpoint(self.out_dir / "checkpoints") if mode == "auto" else Path(mode)
+        path = self.control.resume_point()
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, self.app_states(), self.ctx.rank)
-        self.step_idx = self.saved_step = int(state["step"])
+        state = self.control.load(path)
+        self.step_idx = int(state["step"])
         self.kl_ctrl.value = float(state["kl_coef"])
         ckpt.restore_rl_run_state(state, self.parts)
         self.val_start_hits = state.get("val_start_hits")  # absent in checkpoints of older versions
@@ -408,33 +307,6 @@ class RLTrainer:
                 f"{self.cfg.trainer.max_bad_steps}); each was skipped, the weights are unchanged since step "
                 f"{self.step_idx + 1 - bad}. Lower actor.lr, check the reward scale, or use a smaller clip."
             )
-
-    def _checkpoint_due(self) -> bool:
-        """Every ``trainer.save_every`` steps, or once ``trainer.save_every_minutes`` of wall time
-        passed since the last checkpoint (rank 0's clock decides for all: one collective)."""
-        cfg = self.cfg.trainer
-        by_steps = bool(cfg.save_every) and self.step_idx % cfg.save_every == 0
-        by_time = cfg.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * cfg.save_every_minutes
-        return all_reduce_max(float(by_steps or (by_time and self.ctx.is_main))) > 0
-
-    def _stop_agreed(self) -> bool:
-        """A signal may reach one rank only; all ranks stop together."""
-        self.stop_requested = all_reduce_max(float(self.stop_requested)) > 0
-        return self.stop_requested
-
-    def _install_signal_handler(self) -> None:
-        """SIGINT (Ctrl-C), SIGTERM (kill, scancel) and SIGUSR1 (Slurm's warning before a time
-        limit): checkpoint after the current step, then exit 0. Idempotent: a signal that
-        reaches a rank twice (from the launcher and from Slurm) still means "stop after this
-        step"; stopping at once is the launcher's job (a second signal to it)."""
-
-        def handler(signum: int, frame: Any) -> None:
-            if not self.stop_requested:
-                log.warning("signal %d: saving a checkpoint after the current step, then exiting", signum)
-            self.stop_requested = True
-
-        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
 
     def close(self) -> None:
         self.reward_pool.close()

@@ -1,6 +1,7 @@
 """Every RL recipe composes and runs a few steps on CPU through the main entry point."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,25 @@ def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
     assert all(r["reward/reward_model"] < 0 for r in rows)
     assert rows[0]["reward/kl_coef"] == pytest.approx(0.01)
     assert rows[1]["reward/kl_coef"] != rows[0]["reward/kl_coef"]  # the adaptive controller moved it
+
+
+# top-k / top-p sampling with KL in the reward, a KL loss and the adaptive controller
+TRUNCATED = [
+    "rollout.top_k=20", "rollout.top_p=0.9", "algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=true",
+    "algorithm.kl_ctrl=adaptive", "trainer.total_steps=3",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["grpo_math", "gspo_math"])
+def test_truncated_sampling_with_kl_stays_finite(tmp_path, recipe):
+    """A truncated head gave padding targets log-prob -inf, and -inf x 0 = NaN reached the old
+    log-probs, the KL-in-reward advantages, GSPO's sequence ratio and the KL controller."""
+    rows = [r for r in run(tmp_path, recipe, *TRUNCATED) if "weights_version" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, (r["step"], bad)
+        assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
+    # Step 1's policy is the reference: untruncated on both sides, the KL is 0 (it was ~0.005 at top_p=0.9).
+    assert abs(rows[0]["actor/ref_kl_k3"]) < 1e-6 and abs(rows[0]["reward/kl"]) < 1e-6
+    assert rows[2]["reward/kl"] > 0 and rows[1]["reward/kl_coef"] != rows[0]["reward/kl_coef"]

@@ -1,5 +1,7 @@
 """The default model in transformers and in the real vLLM engine; the FSDP2 engine on one rank."""
 
+import math
+
 import pytest
 import torch
 
@@ -245,3 +247,53 @@ def test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync(
     finally:  # the session's engine goes back to the file's weights for the other tests
         vllm_engine.load_weights(load_file(f"{tiny_path}/model.safetensors").items())
         vllm_engine.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "gspo"])
+def test_truncated_sampling_on_short_rows_stays_finite(ctx, micro_path, loss_name):
+    """top-k: a padding target after a short row is outside the kept set. Its log-prob was -inf,
+    and -inf x 0 made the old log-probs NaN and GSPO's sequence ratio (so its loss) NaN."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_rl.algorithms.losses import make_actor_loss
+    from hybrid_rl.engine.heads import Sampling
+
+    engine = _engine(ctx, micro_path, micro=6)
+    hf = AutoModelForCausalLM.from_pretrained(micro_path, torch_dtype=torch.float32)
+    samples = []
+    for s in _samples():  # greedy continuations: every response token is inside the top-k set
+        ids = hf.generate(torch.tensor([s.prompt_ids]), do_sample=False, max_new_tokens=len(s.response_ids), min_new_tokens=len(s.response_ids))
+        r = ids[0, len(s.prompt_ids) :].tolist()
+        samples.append(Sample(s.prompt_ids, r, [0.0] * len(r), [1] * len(r), "stop", s.group))
+    batch = collate(samples, pad_id=0)
+    assert (batch.response_mask.sum(1) < batch.response_mask.shape[1]).any()  # some rows are padded
+    top_k = Sampling(1.0, 3, 0.9)
+    out = engine.forward_outputs(batch, top_k)
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.kl_logprobs).all()
+    assert (out.logprobs[batch.response_mask == 0] == 0).all()
+    batch.old_logprobs = out.logprobs
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.response_mask
+    batch.loss_weights = agg_weights(batch.response_mask, "token-mean", float(batch.response_mask.sum()), 6.0)
+    cfg = SimpleNamespace(
+        policy_loss=loss_name, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tis_mode="none",
+        entropy_coeff=0.0, use_kl_loss=False,
+    )  # fmt: skip
+    m = engine.train_batch(batch, make_actor_loss(cfg), top_k)
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
+
+
+def test_a_nonfinite_loss_with_a_finite_gradient_is_a_skipped_step(ctx, micro_path):
+    engine = _engine(ctx, micro_path, micro=6)
+    batch = collate(_samples(), pad_id=0)
+    batch.loss_weights = agg_weights(batch.response_mask, "token-mean", float(batch.response_mask.sum()), 6.0)
+    before = engine.forward_logprobs(batch)
+
+    def nan_constant(out, mb):  # the NaN is a constant: its gradient is 0, the norm stays finite
+        return (out.logprobs * mb.loss_weights).sum() + float("nan"), {}
+
+    m = engine.train_batch(batch, nan_constant)
+    assert math.isfinite(m["actor/grad_norm"]) and m["actor/skipped_steps"] == 1.0
+    torch.testing.assert_close(engine.forward_logprobs(batch), before)

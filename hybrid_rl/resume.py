@@ -1,0 +1,140 @@
+"""What a checkpoint was made from, and whether a run may resume from it (no torch here).
+
+A checkpoint's ``manifest.json`` records the model it was made from (:func:`model_identity`) and
+the run's resolved config. Before anything starts, :func:`resume_problems` finds the checkpoint
+``trainer.resume`` would load and compares:
+
+- another model (path, builtin preset or warm-start recipe, or a ``config.json`` that changed) is
+  refused: its tensors would not fit, or would silently continue a different model's optimizer;
+- settings whose checkpointed state would override the new value (the optimizer and its LR
+  schedule), or that change what the checkpoint holds (a critic) or where the data position points
+  (files, batch size, order) are refused, with the reason;
+- any other change is printed and the run goes on (steps, validation, sampling, loss settings...).
+
+``trainer.resume``: ``auto`` (the newest checkpoint of ``output_dir``, if any), ``never`` (start
+over; ``none`` is the same), ``must`` (fail if there is none) or a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+
+# Keys whose new value a resume cannot honour, and why.
+REFUSED = {
+    "actor.lr": "the optimizer and LR schedule come from the checkpoint (the new value would be silently ignored)",
+    "actor.betas": "the optimizer comes from the checkpoint",
+    "actor.weight_decay": "the optimizer comes from the checkpoint",
+    "actor.warmup_steps": "the LR schedule comes from the checkpoint",
+    "actor.lr_schedule": "the LR schedule comes from the checkpoint",
+    "actor.min_lr_ratio": "the LR schedule comes from the checkpoint",
+    "actor.optimizer_impl": "the optimizer comes from the checkpoint",
+    "critic.enable": "the checkpoint holds (or lacks) a critic",
+    "critic.lr": "the critic's optimizer comes from the checkpoint",
+    "data.train_files": "the data position in the checkpoint refers to the old files",
+    "data.train_batch_size": "the data position in the checkpoint counts batches of the old size",
+    "data.shuffle": "the data position in the checkpoint refers to the old order",
+    "data.seed": "the data position in the checkpoint refers to the old order",
+}
+# Keys that differ between runs without changing what is trained (never reported).
+IGNORED = ("trainer.resume", "trainer.output_dir", "trainer.run_name", "logger.", "trainer.nproc_per_node")
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Valid checkpoints (with a manifest whose files are all there), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step_") and (p / MANIFEST).is_file():
+            try:
+                manifest = json.loads((p / MANIFEST).read_text())
+            except (json.JSONDecodeError, OSError):
+                continue
+            if all((p / name).is_file() for name in manifest.get("files", [])):
+                found.append(p)
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def model_identity(model_cfg: Any) -> dict[str, str]:
+    """The model a run trains: a builtin by its preset (and warm-start recipe), a local folder by
+    its absolute path and a hash of its ``config.json`` (architecture, sizes, vocabulary)."""
+    path = str(model_cfg.path)
+    if path.startswith("builtin:"):
+        ident = {"path": path, "preset": str(model_cfg.preset)}
+        if path == "builtin:tiny-sft":
+            ident["sft_recipe"] = str(model_cfg.sft_recipe)
+        return ident
+    config = Path(path) / "config.json"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else "missing"
+    return {"path": str(Path(path).resolve()), "config_sha256": digest}
+
+
+def checkpoint_to_resume(cfg: Any) -> Path | None:
+    """The checkpoint ``trainer.resume`` names for this run, or None to start over."""
+    mode = str(cfg.trainer.resume)
+    if mode in ("never", "none"):
+        return None
+    if mode in ("auto", "must"):
+        return latest_checkpoint(Path(cfg.trainer.output_dir) / "checkpoints")
+    return Path(mode)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """``key -> (saved, current)`` for every resolved setting that differs (ignoring run bookkeeping)."""
+    a, b = _flat(saved), _flat(current)
+    keys = sorted(k for k in set(a) | set(b) if not k.startswith(IGNORED) and not k.startswith("hydra"))
+    # "auto" (precision, device) is resolved when the run starts; the checkpoint holds what it became.
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and b.get(k) != "auto"}
+
+
+def resume_problems(cfg: Any, resolved: dict) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of resuming this RL run: problems refuse it (exit 2), notes are the
+    changed settings it goes on with. ``resolved`` is the run's config as a plain dict."""
+    mode = str(cfg.trainer.resume)
+    path = checkpoint_to_resume(cfg)
+    if path is None:
+        return (["trainer.resume=must: no checkpoint in " + str(Path(cfg.trainer.output_dir) / "checkpoints")] if mode == "must" else []), []
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        return [f"trainer.resume={mode}: {str(path)!r} is not a finished checkpoint (no {MANIFEST})"], []
+    manifest = json.loads(manifest_file.read_text())
+    made_from = manifest.get("model")
+    where = f"checkpoint {path}"
+    if made_from is None:  # written before checkpoints recorded their model: nothing to compare
+        return [], [f"{where} does not record its model or settings; resuming without checking them"]
+    here = model_identity(cfg.model)
+    if made_from != here:
+        return [
+            f"{where} was made from model {_show(made_from)}, this run uses {_show(here)}: resume it with that model, "
+            "or start over with trainer.resume=never (or another trainer.run_name)"
+        ], []
+    changes = config_changes(manifest.get("config", {}), resolved)
+    refused = [f"{k}: {old!r} -> {new!r} ({REFUSED[k]})" for k, (old, new) in changes.items() if k in REFUSED]
+    if refused:
+        return [f"cannot resume {where} with changed settings: " + "; ".join(refused)
+                + ". Start over with trainer.resume=never (or another trainer.run_name)"], []  # fmt: skip
+    return [], [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()]
+
+
+def _show(ident: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in ident.items())

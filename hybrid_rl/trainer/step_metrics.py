@@ -1,0 +1,88 @@
+"""What one RL step reports beside the losses: the switch's phases, throughput and FLOPs, and the
+reduction of every metric over ranks. A component of the loop, kept apart from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybrid_rl.batch import Rollout, TrainBatch
+from hybrid_rl.dist import all_reduce_max_list, all_reduce_sum, mean_over_ranks
+from hybrid_rl.engine.flops import DecoderFlops
+from hybrid_rl.hybrid.switch import SwitchReport
+from hybrid_rl.timing import PhaseTimer
+
+
+def model_flops(engine: Any) -> DecoderFlops | None:
+    """The FLOP counter for the engine's HF causal LM (None where it has none, e.g. a fake)."""
+    config = getattr(getattr(getattr(engine, "module", None), "lm", None), "config", None)
+    return DecoderFlops.from_hf_config(config) if config is not None else None
+
+
+def switch_metrics(report: SwitchReport) -> dict[str, float]:
+    m = {f"switch/{report.direction}/{k}_s": v for k, v in report.seconds.items()}
+    m[f"switch/{report.direction}_s"] = report.total_seconds
+    last = list(report.memory.values())[-1] if report.memory else {}
+    for k, v in last.items():
+        m[f"memory/after_{report.direction}/{k}"] = v
+    m[f"switch/{report.direction}/freed"] = float(report.freed)
+    for k, v in report.moved_bytes.items():
+        m[f"switch/{report.direction}/moved_mib/{k}"] = v / 2**20
+    return m
+
+
+def reduce_metrics(m: dict[str, float]) -> dict[str, float]:
+    """Mean over ranks, except token counts (summed), throughput (already global) and memory
+    peaks (the largest rank's: the one that meets the limit first)."""
+    summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
+    globals_ = {k for k in m if k.endswith(("tokens_per_s", "tflops_per_s")) or k.startswith("dapo/")}
+    peaks = sorted(k for k in m if "peak_" in k and k not in summed and k not in globals_)
+    sums = dict(zip(sorted(summed), all_reduce_sum([m[k] for k in sorted(summed)]), strict=True))
+    maxes = dict(zip(peaks, all_reduce_max_list([m[k] for k in peaks]), strict=True))
+    means = mean_over_ranks({k: v for k, v in m.items() if k not in summed and k not in globals_ and k not in maxes})
+    return {**means, **sums, **maxes, **{k: m[k] for k in globals_}}
+
+
+class Throughput:
+    """Tokens and model FLOPs per second of generation and of the update, for one step."""
+
+    def __init__(self, actor: Any, epochs: int) -> None:
+        self.actor, self.epochs = actor, epochs
+        self.flops = model_flops(actor)
+
+    def __call__(self, rollout: Rollout, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
+        # Model-written tokens (tool output excluded); clip_ratio: responses cut at the budget.
+        lengths = torch.tensor([sum(s.response_mask) for s in rollout.samples], dtype=torch.float32)
+        local = [float(lengths.sum()), float(batch.attention_mask.sum()) * self.epochs, *self.flop_counts(rollout)]
+        gen_tokens, train_tokens, update_flops, gen_flops = all_reduce_sum(local)  # one collective for all four
+
+        def per_s(amount: float, phase: str) -> float:
+            return amount / max(timer.seconds.get(phase, 1e-9), 1e-9)
+
+        m = {
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
+            "rollout/tokens_per_s": per_s(gen_tokens, "generate"),
+            "train/tokens_per_s": per_s(train_tokens, "update"),
+        }
+        if self.flops is not None:
+            m["perf/update_tflops_per_s"] = per_s(update_flops, "update") / 1e12
+            m["perf/generate_tflops_per_s"] = per_s(gen_flops, "generate") / 1e12
+        return m
+
+    def flop_counts(self, rollout: Rollout) -> list[float]:
+        """This rank's model FLOPs of the policy update (forward + backward, all epochs; with the
+        shared-prefix forward each group's prompt counts once, as it is computed once) and of
+        generation (:mod:`hybrid_rl.engine.flops`); over the phases' times they are the achieved
+        FLOP/s, whose ratio to the hardware's peak is MFU (benchmarks/precision.py measures both)."""
+        if self.flops is None:
+            return [0.0, 0.0]
+        s = rollout.samples
+        prompt = [len(x.prompt_ids) for x in s]
+        response = [len(x.response_ids) for x in s]
+        groups = [x.group for x in s]
+        shared = getattr(self.actor.module, "shared_prefix", False)
+        train = self.flops.train_shared_prefix(prompt, response, groups) if shared else self.flops.train([x.text_len for x in s])
+        return [train * self.epochs, self.flops.generate(prompt, response, groups)]

@@ -1,0 +1,51 @@
+"""Resuming is safe: another model or a setting the checkpoint overrides is refused in one line
+before anything starts; other changed settings are printed and the run goes on from the checkpoint."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_recipes import FAST
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", *FAST, f"trainer.output_dir={out}", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+
+
+def refused_line(p: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr[-3000:]
+    return lines[0]
+
+
+def test_resume_refuses_another_model_and_ignored_settings_and_reports_the_rest(tmp_path):
+    first = run(tmp_path)
+    assert first.returncode == 0, first.stderr[-4000:]
+    manifest = json.loads(next((tmp_path / "checkpoints").glob("step_*/manifest.json")).read_text())
+    assert manifest["model"] == {"path": "builtin:tiny", "preset": "tiny"} and manifest["config"]["actor"]["lr"] == 5e-05
+
+    # another model: was a raw size-mismatch traceback from torch.distributed.checkpoint
+    line = refused_line(run(tmp_path, "trainer.total_steps=3", "model.preset=micro"))
+    assert "was made from model path=builtin:tiny preset=tiny, this run uses path=builtin:tiny preset=micro" in line
+    # a learning rate the restored optimizer and schedule would have silently ignored
+    line = refused_line(run(tmp_path, "trainer.total_steps=3", "actor.lr=1e-3"))
+    assert "actor.lr: 5e-05 -> 0.001 (the optimizer and LR schedule come from the checkpoint" in line
+    assert "trainer.resume=never" in line
+
+    # a safe change: printed, and the run continues from step 2
+    go = run(tmp_path, "trainer.total_steps=3", "rollout.temperature=0.9")
+    assert go.returncode == 0, go.stderr[-4000:]
+    assert "resuming with changed settings: rollout.temperature: 1.0 -> 0.9; trainer.total_steps: 2 -> 3" in go.stderr
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+    # must: fails where there is no checkpoint
+    line = refused_line(run(tmp_path / "fresh", "trainer.resume=must"))
+    assert "trainer.resume=must: no checkpoint in" in line
