@@ -22,7 +22,7 @@ def _commit() -> str | None:
     """The repository's HEAD (with ``+dirty`` when the tree has changes), or None outside git."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=False).stdout
         return head + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return None
