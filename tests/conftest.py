@@ -14,6 +14,19 @@ setup_process_env(threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 import pytest  # noqa: E402
 
+# What the CI machine is set up to have (.ci/run sets HYBRID_RL_CI_REQUIRES): a test needing one
+# of these fails there instead of skipping, so a broken install step cannot pass as green.
+CI_REQUIRES = set(os.environ.get("HYBRID_RL_CI_REQUIRES", "").split())
+
+
+def need(what: str, available: bool, why: str) -> None:
+    """Skip (one line saying why) where ``what`` is missing, or fail where CI requires it."""
+    if available:
+        return
+    if what in CI_REQUIRES:
+        pytest.fail(f"{what} is required on this machine (HYBRID_RL_CI_REQUIRES) but missing: {why}")
+    pytest.skip(why)
+
 
 @pytest.fixture(scope="session")
 def ctx():

@@ -38,6 +38,22 @@ class LoadReport:
     skipped_too_long: int = 0
     truncated: int = 0
     files: list[str] = field(default_factory=list)
+    rows_per_file: dict[str, int] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)  # prompt tokens of every row read, before truncation
+
+    def summary(self, key: str, limit: int) -> str:
+        """One line for the log: rows per file, what the length limit did, prompt-length percentiles."""
+        files = ", ".join(f"{Path(f).name} {n}" for f, n in self.rows_per_file.items())
+        xs = sorted(self.lengths) or [0]
+        pct = ", ".join(f"p{q} {xs[min(len(xs) - 1, len(xs) * q // 100)]}" for q in (50, 90, 99))
+        return (
+            f"{key}: {self.rows} rows read ({files}), {self.kept} kept, {self.skipped_too_long} skipped and "
+            f"{self.truncated} truncated over data.max_prompt_length={limit} (longest {xs[-1]} tokens); prompt tokens {pct}"
+        )
+
+    def metrics(self, split: str) -> dict[str, float]:
+        return {f"data/{split}_rows": float(self.rows), f"data/{split}_kept": float(self.kept),
+                f"data/{split}_skipped_too_long": float(self.skipped_too_long), f"data/{split}_truncated": float(self.truncated)}  # fmt: skip
 
 
 def synth_math_paths(synth: Any) -> dict[str, Path]:
@@ -154,6 +170,7 @@ def load_prompts(
                 break
             where = f"{path}: row {i}"
             report.rows += 1
+            report.rows_per_file[str(path)] = report.rows_per_file.get(str(path), 0) + 1
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected an object, got {type(row).__name__}")
             messages = row_messages(row, cfg.prompt_key, where, cfg.system_prompt)
@@ -166,6 +183,7 @@ def load_prompts(
             if gt is None or (isinstance(gt, str) and not gt.strip()):
                 raise DataError(f"{where}: empty ground truth in {cfg.answer_key!r}")
             ids = encode_prompt(tokenizer, messages, tools)
+            report.lengths.append(len(ids))
             if len(ids) > cfg.max_prompt_length:
                 if cfg.truncation == "skip":
                     report.skipped_too_long += 1

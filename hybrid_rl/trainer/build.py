@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,7 @@ class RLParts:
     reward_pool: Any  # rewards.pool.RewardPool
     val_pool: Any  # the verifier's pool for held-out accuracy
     reward_models: list[Any]  # learned reward models (reward.reward_model.path, then .ensemble); [] = none
+    data_metrics: dict[str, float] = field(default_factory=dict)  # rows read / kept / skipped per split
 
 
 def optimizer_steps(cfg: Any) -> int:
@@ -131,8 +132,11 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     check_chat_template(tok, model_path)
     tools, schemas = build_tools(cfg)
     d, a, steps = cfg.data, cfg.algorithm, optimizer_steps(cfg)
-    train, _ = load_prompts(resolve_files(d.train_files, "train", d.synth), tok, d, tools=schemas)
-    val, _ = load_prompts(resolve_files(d.val_files, "val", d.synth), tok, d, d.val_size, tools=schemas)
+    train, train_report = load_prompts(resolve_files(d.train_files, "train", d.synth), tok, d, tools=schemas)
+    val, val_report = load_prompts(resolve_files(d.val_files, "val", d.synth), tok, d, d.val_size, tools=schemas)
+    if ctx.is_main:
+        log.info(train_report.summary("data.train_files", d.max_prompt_length))
+        log.info(val_report.summary("data.val_files", d.max_prompt_length))
     actor = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
     needs_ref = a.use_kl_loss or a.use_kl_in_reward
     ref = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False) if needs_ref else None
@@ -150,4 +154,5 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     val_pool = pool if any(f.name == "math" for f in cfg.reward.functions) else RewardPool(OmegaConf.merge(cfg.reward, verifier))
     rms = [build_reward_engine(p, cfg, ctx, 1, trainable=False) for p in reward_model_paths or []]
     sampler = PromptSampler(len(train), d.train_batch_size, d.seed, d.shuffle)
-    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rms)
+    data = {**train_report.metrics("train"), **val_report.metrics("val")}
+    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rms, data)

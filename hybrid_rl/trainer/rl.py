@@ -76,8 +76,12 @@ class RLTrainer:
         self.control.install_signal_handler()
         if cfg.val_before_train and self.step_idx == 0:
             self.logger.log(0, self.validate())
+        first = True
         while self.step_idx < cfg.total_steps and not self.control.stop_agreed():
             metrics = self.step()
+            if first:  # what the data loading kept and skipped, once per start
+                metrics.update(self.parts.data_metrics)
+                first = False
             if cfg.val_every and (self.step_idx % cfg.val_every == 0 or self.step_idx == cfg.total_steps):
                 metrics.update(self.validate())
             self.logger.log(self.step_idx, metrics)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import need
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,8 +80,8 @@ def run(name: str, args: list[str], out: Path) -> dict:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_runs(name, tmp_path):
-    if name == "sandbox_latency" and shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap not installed")
+    if name == "sandbox_latency":
+        need("bwrap", shutil.which("bwrap") is not None, "bubblewrap not installed (make setup installs it)")
     d = run(name, CASES[name], tmp_path)
     assert d["machine"]["torch"]
 

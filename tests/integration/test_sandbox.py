@@ -9,11 +9,14 @@ import time
 import pytest
 
 from hybrid_rl.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, check_available
+from tests.conftest import need
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed (make setup installs it)"),
-]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _bwrap():
+    need("bwrap", shutil.which("bwrap") is not None, "bubblewrap not installed (make setup installs it)")
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ def test_ppo_with_a_critic_raises_the_reward(tmp_path):
     assert_learns(rows, trained_from=3)
 
 
+@pytest.mark.timeout(1900)  # no shorter than the run's own 1,800 s budget
 def test_default_recipe_raises_greedy_accuracy(tmp_path):
     """The main job itself (+recipe=grpo_math: the short SFT warm start, built and cached on first
     use, at 100 of its 250 GRPO steps with DAPO's batch filling, on the strict math verifier),
@@ -84,6 +85,7 @@ def test_default_recipe_raises_greedy_accuracy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2500)  # the run's own budget is 2,400 s
 def test_agentic_recipe_learns_to_call_the_tool(tmp_path):
     """The agentic recipe at 20 of its 60 steps (the mixed tool-use warm start is built and cached
     on first use, ~7.5 min on 2 cores; not in CI): greedy decoding starts by answering level-5

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import need
+
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "recipes" / "slurm" / "single_node.sbatch"
@@ -22,8 +24,7 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    if os.geteuid() != 0:
-        pytest.skip("a real Slurm needs root (CI runs as root)")
+    need("root", os.geteuid() == 0, "a real Slurm needs root (CI runs as root)")
     from tests.slurm.cluster import Cluster
 
     c = Cluster()

@@ -159,3 +159,21 @@ def test_preference_split_keeps_each_prompt_on_one_side():
     assert len(train) + len(val) == 30 and len(val) == 6
     val_prompts = {r["prompt"][0]["content"] for r in val}
     assert not val_prompts & {r["prompt"][0]["content"] for r in train}
+
+
+def test_load_report_names_what_the_length_limit_did(tmp_path, tokenizer):
+    """The start-up summary and metrics count rows skipped for length (they were dropped silently)."""
+    import json as _json
+    from types import SimpleNamespace
+
+    from hybrid_rl.data.dataset import load_prompts
+
+    f = tmp_path / "rows.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "x " * n}], "reward_model": {"ground_truth": "1"}} for n in (2, 3, 80)]
+    f.write_text("\n".join(_json.dumps(r) for r in rows))
+    cfg = SimpleNamespace(prompt_key="prompt", answer_key="reward_model.ground_truth", system_prompt=None, max_prompt_length=40, truncation="skip")
+    records, report = load_prompts([f], tokenizer, cfg)
+    assert len(records) == 2 and report.skipped_too_long == 1 and report.rows == 3
+    line = report.summary("data.train_files", 40)
+    assert "3 rows read (rows.jsonl 3), 2 kept, 1 skipped" in line and f"longest {max(report.lengths)} tokens" in line
+    assert report.metrics("train")["data/train_skipped_too_long"] == 1.0

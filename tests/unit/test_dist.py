@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def test_finish_rank_keeps_exit_status_and_buffered_output(tmp_path):
     # Buffered stdout (a pipe) and a logging file handler, with a live 1-rank gloo group: the

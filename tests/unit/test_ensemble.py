@@ -7,6 +7,8 @@ import torch
 
 from hybrid_rl.rewards.ensemble import batch_moments, ensemble_reward, standardize
 
+pytestmark = pytest.mark.unit
+
 # 3 models x 4 responses; model 2 = model 0 + 10 (a Bradley-Terry offset), model 1 disagrees on response 3.
 S = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, -3.0], [10.0, 11.0, 12.0, 13.0]])
 

@@ -12,6 +12,7 @@ import pytest
 from hybrid_rl.env import preload_libraries
 from hybrid_rl.errors import ConfigError
 from hybrid_rl.launch import rank_env
+from tests.conftest import need
 
 pytestmark = pytest.mark.unit
 
@@ -62,8 +63,8 @@ def test_a_rank_started_with_the_preload_runs_on_tcmalloc_and_intel_openmp():
     the launcher's environment maps both, and torch's OpenMP GEMM and vLLM's import still work."""
     found = preload_libraries("auto", "cpu")
     names = {os.path.basename(p) for p in found}
-    if not {"libtcmalloc_minimal.so.4", "libiomp5.so"} <= names:
-        pytest.skip(f"libraries not installed here (found {sorted(names)}); scripts/setup_env.sh installs them")
+    need("tcmalloc", {"libtcmalloc_minimal.so.4", "libiomp5.so"} <= names,
+         f"libraries not installed here (found {sorted(names)}); scripts/setup_env.sh installs them")  # fmt: skip
     code = (
         "import torch, vllm\n"
         "a = torch.randn(256, 256); assert torch.allclose((a @ a.T), (a @ a.T).T, atol=1e-3)\n"
