@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hybrid_rl.dist import DistContext, barrier, broadcast_object
@@ -16,6 +17,7 @@ from hybrid_rl.env import cache_root
 from hybrid_rl.errors import ModelPathError
 from hybrid_rl.models.tiny import tiny_model_path
 from hybrid_rl.trainer.build import build_rl_parts, check_model_dir, compose_recipe, recipe_cache_key
+from hybrid_rl.trainer.evaluate import run_eval
 from hybrid_rl.trainer.preference import run_dpo, run_rm
 from hybrid_rl.trainer.sft import run_sft
 
@@ -53,6 +55,8 @@ def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
     path = cfg.model.path
     if path.startswith("builtin:"):
         return resolve_builtin(path, cfg, ctx)
+    if cfg.trainer.task == "eval" and (Path(path) / "manifest.json").is_file():
+        return path  # a checkpoint: the eval task exports it first
     check_model_dir(path)
     return str(broadcast_object(path))
 
@@ -74,4 +78,5 @@ TASKS: dict[str, Callable[[Any, DistContext], Any]] = {
     "sft": lambda cfg, ctx: run_sft(cfg, ctx, resolve_model_path(cfg, ctx), evaluate_after=True),
     "dpo": lambda cfg, ctx: run_dpo(cfg, ctx, resolve_model_path(cfg, ctx)),
     "rm": lambda cfg, ctx: run_rm(cfg, ctx, resolve_model_path(cfg, ctx)),
+    "eval": lambda cfg, ctx: run_eval(cfg, ctx, resolve_model_path(cfg, ctx)),
 }

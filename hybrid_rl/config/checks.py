@@ -31,6 +31,8 @@ def problems(cfg: Any, world_size: int = 1) -> list[str]:
     task = cfg.trainer.task
     if task == "rl":
         found += _rl_algorithm(cfg) + _rl_sampling(cfg) + _rl_batching(cfg, world_size)
+    elif task == "eval":
+        found += _eval(cfg)
     elif task == "sft":
         found += _divides(cfg.data.train_batch_size, world_size, "data.train_batch_size")
     else:  # dpo, rm
@@ -84,6 +86,16 @@ def _agent(cfg: Any) -> list[str]:
     if not ag.enable or (ag.max_turns >= 1 and ag.max_response_tokens >= r.max_response_length):
         return []
     return ["rollout.agent.max_turns must be >= 1 and rollout.agent.max_response_tokens >= rollout.max_response_length"]
+
+
+def _eval(cfg: Any) -> list[str]:
+    r = cfg.rollout
+    checks = [
+        (r.val_pass_k > 0 and r.temperature <= 0, f"rollout.val_pass_k={r.val_pass_k} samples at rollout.temperature, which must be > 0"),
+        (r.max_response_length < 1, f"rollout.max_response_length={r.max_response_length} must be >= 1"),
+        (r.agent.enable, "trainer.task=eval runs single-turn generation: set rollout.agent.enable=false"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
 
 
 def _preference(cfg: Any, world_size: int) -> list[str]:

@@ -22,6 +22,7 @@ class Task(StrEnum):
     sft = "sft"
     dpo = "dpo"
     rm = "rm"
+    eval = "eval"
 
 
 class Device(StrEnum):

@@ -149,6 +149,11 @@ def model_problems(cfg: Any) -> list[str]:
     if path.startswith("builtin:"):
         if path != "builtin:tiny" and path not in BUILTIN_RECIPES:
             return [f"model.path={path!r}: unknown builtin; known: builtin:tiny, {', '.join(BUILTIN_RECIPES)}"]
+    elif cfg.trainer.task == "eval" and (Path(path) / "manifest.json").is_file():
+        source = json.loads((Path(path) / "manifest.json").read_text()).get("model_dir", "")
+        if not (Path(source) / "config.json").is_file():
+            return [f"model.path={path!r} is a checkpoint whose model folder ({source or 'not recorded'}) is gone: export it with --model-dir"]
+        path = source
     else:
         found = model_dir_problems(path)
         if found:
@@ -156,7 +161,7 @@ def model_problems(cfg: Any) -> list[str]:
     rm = cfg.reward.reward_model
     rm_paths = [p for p in ([rm.path] if rm.path else []) + list(rm.ensemble) if not p.startswith("builtin:")]
     found = [m for p in rm_paths for m in model_dir_problems(p, "reward.reward_model.path", chat=False)]
-    if cfg.trainer.task == "rl":
+    if cfg.trainer.task in ("rl", "eval"):
         r, ag = cfg.rollout, cfg.rollout.agent
         extra = ag.max_response_tokens - r.max_response_length if ag.enable else 0
         need, limit = cfg.data.max_prompt_length + r.max_response_length + extra, max_positions(path)

@@ -137,7 +137,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    # rl | sft | dpo | rm
+    # rl | sft | dpo | rm | eval (evaluate a model folder or checkpoint: +recipe=eval_math)
     task: Task = Task.rl
     run_name: str = "default"
     output_dir: str = "outputs/${trainer.run_name}"
@@ -186,3 +186,7 @@ class LoggerConfig:
     )
     project: str = "hybrid_rl"
     progress_bar: bool = True
+    # Samples written to generations/{val,train}_step_XXXX.jsonl and TensorBoard text: the first N
+    # of every validation and of every `generations_every`-th training step (0 = off).
+    generations: int = 4
+    generations_every: int = 10

@@ -102,6 +102,7 @@ class RLParts:
     val_pool: Any  # the verifier's pool for held-out accuracy
     reward_models: list[Any]  # learned reward models (reward.reward_model.path, then .ensemble); [] = none
     data_metrics: dict[str, float] = field(default_factory=dict)  # rows read / kept / skipped per split
+    model_path: str = ""  # the local model folder the run started from (checkpoints record it for export)
 
 
 def optimizer_steps(cfg: Any) -> int:
@@ -155,4 +156,4 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     rms = [build_reward_engine(p, cfg, ctx, 1, trainable=False) for p in reward_model_paths or []]
     sampler = PromptSampler(len(train), d.train_batch_size, d.seed, d.shuffle)
     data = {**train_report.metrics("train"), **val_report.metrics("val")}
-    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rms, data)
+    return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rms, data, model_path)

@@ -75,6 +75,12 @@ class MetricsLogger:
             self.bar.n = step
             self.bar.refresh()
 
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """Text (markdown) for TensorBoard's text tab, e.g. generated samples."""
+        if self.enabled and self.tb is not None:
+            self.tb.add_text(tag, text, step)
+            self.tb.flush()
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return

@@ -32,6 +32,7 @@ from hybrid_rl.timing import PhaseTimer, process_stats
 from hybrid_rl.trainer import checkpoint as ckpt
 from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
+from hybrid_rl.trainer.generations import GenerationLog, rollout_rows
 from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.run_control import RunControl
 from hybrid_rl.trainer.step_metrics import Throughput, reduce_metrics, switch_metrics
@@ -61,11 +62,13 @@ class RLTrainer:
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
         self.throughput = Throughput(parts.actor, cfg.actor.epochs)
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        made_from = {"model": model_identity(cfg.model), "config": resolved}
+        made_from = {"model": model_identity(cfg.model), "model_dir": str(Path(parts.model_path).resolve()), "config": resolved}
         self.control = RunControl(cfg.trainer, ctx, self.out_dir, parts.actor, parts.critic, made_from)
         self.step_idx = 0
         self.val_start_hits: torch.Tensor | None = None  # the run's first validation, per problem
         self.logger = MetricsLogger(cfg.logger, self.out_dir, resolved, cfg.trainer.total_steps, ctx.is_main)
+        lg = cfg.logger
+        self.generations = GenerationLog(self.out_dir, lg.generations, lg.generations_every, self.logger, ctx.is_main)
         ckpt.record_scheduler_job(self.out_dir, ctx.is_main)
         self._maybe_resume()
 
@@ -90,7 +93,7 @@ class RLTrainer:
                 self.save()
         self.save()
         if cfg.export_hf and not self.control.stop_requested:
-            self.actor.export_hf(str(self.out_dir / "hf"), self.tokenizer)
+            self.export_hf()
         self.logger.close()
         return last
 
@@ -100,6 +103,8 @@ class RLTrainer:
         m: dict[str, float] = {}
         with timer.phase("step"):
             rollout = self.collector.collect(self.step_idx, timer, m)
+            if self.generations.train_due(self.step_idx + 1):
+                self.generations.write("train", self.step_idx + 1, rollout_rows(rollout, self.tokenizer, self.generations.n))
             with timer.phase("switch_to_train"):
                 m.update(switch_metrics(self.switch.to_train()))
             m.update(self.train_on_batch(rollout, timer))
@@ -262,7 +267,7 @@ class RLTrainer:
         ``trainer.val_before_train``) and its paired standard error (same problems both times)."""
         r = self.cfg.rollout
         start = time.perf_counter()
-        out, hits = evaluate(
+        out, hits, samples = evaluate(
             self.collector.val_sampler(),
             self.val_records,
             self.val_pool,
@@ -274,13 +279,24 @@ class RLTrainer:
             "math",
             shard=(self.collector.dp_rank, self.collector.dp_size),
             count=self.ctx.rank % self.collector.tp == 0,
+            keep_samples=self.generations.n,
         )
+        self.generations.write("val", self.step_idx, samples)
         if self.val_start_hits is None or self.val_start_hits.shape != hits.shape:
             self.val_start_hits = hits
         else:
             out["val/gain"], out["val/gain_se"] = paired_gain(self.val_start_hits, hits)
         out["timing/validate"] = time.perf_counter() - start
         return out
+
+    def export_hf(self) -> None:
+        """``output_dir/hf`` from the newest checkpoint, streamed by rank 0 (:mod:`hybrid_rl.export`)."""
+        from hybrid_rl.export import export_checkpoint
+
+        if self.ctx.is_main:
+            info = export_checkpoint(ckpt.latest_checkpoint(self.out_dir / "checkpoints"), self.out_dir / "hf")
+            log.info("exported %s (%d tensors, %.1f MiB)", self.out_dir / "hf", info["tensors"], info["bytes"] / 2**20)
+        barrier()
 
     # ================================================================ checkpoints
     def save(self) -> None:

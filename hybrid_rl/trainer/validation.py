@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +40,22 @@ def correct(scored: Any, accuracy_fn: str) -> bool:
     return scored.components.get(accuracy_fn, scored.score) > 0.5
 
 
+class Evaluation(NamedTuple):
+    metrics: dict[str, float]  # val/...
+    hits: torch.Tensor  # [n records] greedy 0/1, in record order, the same on every rank
+    samples: list[dict[str, Any]]  # the first greedy samples of this rank's shard (keep_samples)
+
+
+def breakdowns(record: Any) -> list[str]:
+    """The subsets a held-out record is reported in: its ``data_source`` (``val/accuracy/<source>``,
+    verl's per-data-source figures) and, where it has an integer ``extra_info.level`` (the
+    synthetic task's), its level (``val/accuracy_level<k>``)."""
+    out = [f"/{record.data_source}"] if getattr(record, "data_source", "") else []
+    if (lv := level_of(record)) is not None:
+        out.append(f"_level{lv}")
+    return out
+
+
 def evaluate(
     sample: SampleFn,
     records: list[Any],
@@ -52,69 +68,88 @@ def evaluate(
     accuracy_fn: str = "math",
     shard: tuple[int, int] | None = None,
     count: bool = True,
-) -> tuple[dict[str, float], torch.Tensor]:
+    keep_samples: int = 0,
+) -> Evaluation:
     """``val/accuracy`` (greedy) with its binomial standard error ``val/accuracy_se``
     (sqrt(p (1 - p) / n)), ``val/score``, with ``pass_k`` > 0 ``val/pass@k`` and ``val/mean@k``,
-    and any per-sample stats the sampler reports (``val/<stat>``, greedy, averaged per prompt).
+    each per data source and level too (:func:`breakdowns`), and any per-sample stats the
+    sampler reports (``val/<stat>``, greedy, averaged per prompt).
 
     Also returns the greedy hits per record, ``[len(records)]`` float 0/1 in ``records`` order and
-    the same on every rank, for :func:`paired_gain` against a later evaluation.
+    the same on every rank, for :func:`paired_gain` against a later evaluation, and the first
+    ``keep_samples`` greedy samples of this rank's shard (prompt, response, score, ground truth,
+    data source) for the generation logs.
 
     Each rank evaluates records ``shard_rank::shard_size`` (default: its rank over the world);
     counts are summed over the ranks with ``count`` set (one per tensor-parallel group).
     """
     shard_rank, shard_size = shard or (ctx.rank, ctx.world_size)
     mine = records[shard_rank::shard_size]
-    # Per difficulty level where records have one (extra_info.level: the synthetic task's):
-    # the same keys on every rank, from the whole held-out list.
-    levels = sorted({lv for r in records if (lv := level_of(r)) is not None})
-    per_level = [f"{k}_level{lv}" for lv in levels for k in ("n", "hits", "meank")]
-    base = ["n", "hits", "score", "passk", "meank", *per_level]
+    # The same keys on every rank, from the whole held-out list.
+    subsets = sorted({b for r in records for b in breakdowns(r)})
+    base = ["n", "hits", "score", "passk", "meank", *[f"{k}{b}" for b in subsets for k in ("n", "hits", "meank")]]
     sums = dict.fromkeys(base, 0.0)
     extra: dict[str, float] = {}
     hits = [0.0] * len(records)  # this rank's records only; summed over ranks below
+    kept: list[dict[str, Any]] = []
     if mine:
         texts, extra = sample(mine, SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, seed=seed))
         scored = score_texts(pool, mine, texts)
-        sums["n"] = len(mine)
-        sums["hits"] = sum(correct(s[0], accuracy_fn) for s in scored)
-        sums["score"] = sum(s[0].score for s in scored)
         for i, (r, s) in enumerate(zip(mine, scored, strict=True)):
-            hits[shard_rank + i * shard_size] = float(correct(s[0], accuracy_fn))
-            if (lv := level_of(r)) is not None:
-                sums[f"n_level{lv}"] += 1
-                sums[f"hits_level{lv}"] += correct(s[0], accuracy_fn)
+            hit = float(correct(s[0], accuracy_fn))
+            hits[shard_rank + i * shard_size] = hit
+            for b in ["", *breakdowns(r)]:
+                sums[f"n{b}"] += 1
+                sums[f"hits{b}"] += hit
+            sums["score"] += s[0].score
+            if i < keep_samples:
+                kept.append(_sample_row(r, texts[i][0], s[0].score))
         if pass_k > 0:
-            # One seed per held-out prompt (its global index): siblings of different prompts
-            # draw independent noise, and the figure does not depend on the number of ranks.
-            seeds = [prompt_seed(seed, 1, shard_rank + i * shard_size) for i in range(len(mine))]
-            spec = SamplingSpec(n=pass_k, temperature=temperature, max_tokens=max_tokens, seeds=seeds)
-            texts_k, _ = sample(mine, spec)
-            scored_k = score_texts(pool, mine, texts_k)
-            sums["passk"] = sum(any(correct(s, accuracy_fn) for s in group) for group in scored_k)
-            sums["meank"] = sum(sum(correct(s, accuracy_fn) for s in group) / pass_k for group in scored_k)
-            for r, group in zip(mine, scored_k, strict=True):
-                if (lv := level_of(r)) is not None:
-                    sums[f"meank_level{lv}"] += sum(correct(s, accuracy_fn) for s in group) / pass_k
+            sums.update(_pass_at_k(sample, mine, pool, pass_k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums))
     keys = base + sorted(extra)
     # Every rank must pass the same keys: the sampler reports the same stats on every rank.
     mine_sums = [(sums | extra).get(k, 0.0) for k in keys] + hits
     summed = all_reduce_sum([v if count else 0.0 for v in mine_sums])  # one collective
     totals = dict(zip(keys, summed[: len(keys)], strict=True))
+    return Evaluation(_summary(totals, subsets, sorted(extra), pass_k), torch.tensor(summed[len(keys) :], dtype=torch.float32), kept)
+
+
+def _sample_row(record: Any, response: str, score: float) -> dict[str, Any]:
+    messages = getattr(record, "messages", None)
+    prompt = messages[-1]["content"] if messages else ""
+    return {"prompt": prompt, "response": response, "score": score, "ground_truth": str(record.ground_truth), "data_source": record.data_source}
+
+
+def _pass_at_k(sample, mine, pool, k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums) -> dict[str, float]:
+    # One seed per held-out prompt (its global index): siblings of different prompts
+    # draw independent noise, and the figure does not depend on the number of ranks.
+    seeds = [prompt_seed(seed, 1, shard_rank + i * shard_size) for i in range(len(mine))]
+    texts_k, _ = sample(mine, SamplingSpec(n=k, temperature=temperature, max_tokens=max_tokens, seeds=seeds))
+    out = {key: sums[key] for key in sums if key.startswith("meank")}
+    out["passk"] = 0.0
+    for r, group in zip(mine, score_texts(pool, mine, texts_k), strict=True):
+        right = sum(correct(s, accuracy_fn) for s in group)
+        out["passk"] += right > 0
+        for b in ["", *breakdowns(r)]:
+            out[f"meank{b}"] += right / k
+    return out
+
+
+def _summary(totals: dict[str, float], subsets: list[str], extra: list[str], pass_k: int) -> dict[str, float]:
     n = max(totals["n"], 1.0)
     acc = totals["hits"] / n
     out = {"val/accuracy": acc, "val/accuracy_se": math.sqrt(acc * (1 - acc) / n), "val/score": totals["score"] / n}
     out["val/n"] = totals["n"]
-    out.update({f"val/{k}": totals[k] / n for k in sorted(extra)})
+    out.update({f"val/{k}": totals[k] / n for k in extra})
     if pass_k > 0:
         out[f"val/pass@{pass_k}"] = totals["passk"] / n
         out[f"val/mean@{pass_k}"] = totals["meank"] / n
-    for lv in levels:
-        n_lv = max(totals[f"n_level{lv}"], 1.0)
-        out[f"val/accuracy_level{lv}"] = totals[f"hits_level{lv}"] / n_lv
+    for b in subsets:
+        n_b = max(totals[f"n{b}"], 1.0)
+        out[f"val/accuracy{b}"] = totals[f"hits{b}"] / n_b
         if pass_k > 0:
-            out[f"val/mean@{pass_k}_level{lv}"] = totals[f"meank_level{lv}"] / n_lv
-    return out, torch.tensor(summed[len(keys) :], dtype=torch.float32)
+            out[f"val/mean@{pass_k}{b}"] = totals[f"meank{b}"] / n_b
+    return out
 
 
 def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[float, float]:

@@ -13,7 +13,7 @@ PKG = ROOT / "hybrid_rl"
 # Bottom to top. A module may import its own layer's modules or lower ones (never in a cycle:
 # the registry's self-filling import is the one allowed exception, inside algorithms/).
 LAYERS = [
-    {"errors", "batch", "timing", "faults", "env", "dist", "launch", "resume"},
+    {"errors", "batch", "timing", "faults", "env", "dist", "launch", "resume", "export"},
     {"rewards", "algorithms"},
     {"engine", "rollout"},
     {"config", "data", "hybrid", "models"},

@@ -53,7 +53,12 @@ def test_hits_are_in_record_order_for_every_shard(pool):
         return [[f"The answer is \\boxed{{{r.ground_truth if int(r.ground_truth) in right else -1}}}."] for r in recs], {}
 
     ctx = SimpleNamespace(rank=0, world_size=1)
-    whole, hits = evaluate(sample, records, pool, ctx, 8)
+    whole, hits, samples = evaluate(sample, records, pool, ctx, 8, keep_samples=2)
+    assert [s["ground_truth"] for s in samples] == ["0", "1"] and samples[0]["score"] == 1.0 and samples[1]["score"] == 0.0
+    assert "\\boxed{-1}" in samples[1]["response"] and samples[0]["data_source"] == "math"
+    # per data source (verl's per-data_source figures) and per level
+    assert whole["val/accuracy/math"] == pytest.approx(4 / 7)
+    assert whole["val/accuracy_level1"] == pytest.approx(3 / 4) and whole["val/accuracy_level2"] == pytest.approx(1 / 3)
     assert hits.tolist() == [float(i in right) for i in range(7)]
     assert whole["val/accuracy"] == pytest.approx(4 / 7)
     assert whole["val/accuracy_se"] == pytest.approx(math.sqrt(4 / 7 * 3 / 7 / 7))

@@ -1,0 +1,54 @@
+"""What the policy wrote, where a person can read it (verl's ``log_val_generations`` /
+``rollout_data_dir``, TRL's ``log_completions``): the first ``logger.generations`` samples of
+every validation and of every ``logger.generations_every``-th training step, as
+``generations/{val,train}_step_XXXX.jsonl`` (prompt, response, score, ground truth, data source)
+and as TensorBoard text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hybrid_rl.batch import Rollout
+
+
+class GenerationLog:
+    def __init__(self, out_dir: Path, n: int, every: int, logger: Any, enabled: bool) -> None:
+        self.dir, self.n, self.every, self.logger = out_dir / "generations", n, every, logger
+        self.enabled = enabled and n > 0
+
+    def train_due(self, step: int) -> bool:
+        return self.enabled and self.every > 0 and step % self.every == 0
+
+    def write(self, kind: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """``rows`` (at most ``n`` are kept) to ``generations/<kind>_step_XXXX.jsonl`` and TensorBoard."""
+        if not self.enabled or not rows:
+            return
+        rows = rows[: self.n]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with (self.dir / f"{kind}_step_{step:04d}.jsonl").open("w", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        text = "\n\n".join(
+            f"**score {r['score']:.3g}** (truth: `{r['ground_truth']}`, {r['data_source']})\n\n"
+            f"prompt: {r['prompt']}\n\nresponse: {r['response']}"
+            for r in rows
+        )  # fmt: skip
+        self.logger.log_text(step, f"generations/{kind}", text)
+
+
+def rollout_rows(rollout: Rollout, tokenizer: Any, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` samples of a scored rollout, decoded (tool output included, as the model saw it)."""
+    rows = []
+    for s in rollout.samples[:n]:
+        rows.append(
+            {
+                "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+                "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                "score": s.score,
+                "ground_truth": str(s.ground_truth),
+                "data_source": s.data_source,
+            }
+        )
+    return rows
