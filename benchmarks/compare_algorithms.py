@@ -53,8 +53,8 @@ def run(recipe: str, steps: int, before: bool, pass_k: int, extra: list[str]) ->
     if p.returncode != 0:
         return {"recipe": recipe, "error": p.stderr[-2000:]}
     val = {r["step"]: r for r in rows if "val/accuracy" in r}
-    steps_t = [r["timing/step"] for r in rows if "timing/step" in r]
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    steps_t = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
+    rewards = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     k = min(20, max(len(rewards) // 5, 1))  # the train reward's first and last 20 steps (a fifth of a short run)
     before_row, after_row = val.get(0, {}), val.get(steps, {})
     return {

@@ -26,6 +26,7 @@ import statistics
 import time
 
 from benchmarks.common import figure, machine_info, run_trainer, save_figure, write_json
+from hybrid_rl.timing import phase_key
 
 TIMES = ("step", "generate", "logprobs", "update", "switch_to_rollout", "switch_to_train")
 MODES = {
@@ -101,13 +102,13 @@ def main() -> None:
     for m, reps in runs.items():
         rows = [r for rep in reps for r in rep if r["step"] >= 3]
         p = peak["float32" if m == "fp32" else "bfloat16"]
-        row = {f"median_{t}_s": median_of(rows, f"timing/{t}") for t in TIMES}
+        row = {f"median_{t}_s": median_of(rows, phase_key(t)) for t in TIMES}
         for phase in ("update", "generate"):
             tf = median_of(rows, f"perf/{phase}_tflops_per_s")
             row[f"{phase}_tflops_per_s"] = tf
             row[f"{phase}_mfu_vs_square_peak"] = tf / p["square_tflops"]
             row[f"{phase}_mfu_vs_model_shape_peak"] = tf / p["model_shape_tflops"]
-        row["reward_mean"] = median_of(rows, "reward/mean")
+        row["reward_mean"] = median_of(rows, "critic/score/mean")
         row["steps_measured"] = len(rows)
         summary[m] = row
     if "fp32" in summary:

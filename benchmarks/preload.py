@@ -18,6 +18,7 @@ import json
 import statistics
 
 from benchmarks.common import figure, machine_info, run_trainer, save_figure, write_json
+from hybrid_rl.timing import memory_key, phase_key
 
 TIMES = ("step", "generate", "update", "switch_to_rollout")
 
@@ -53,8 +54,8 @@ def main() -> None:
         rows = [r for rep in reps for r in rep if r["step"] >= 3]
         summary[m] = {
             # a step whose groups were all filtered out (DAPO's filter) has no update
-            **{f"median_{t}_s": statistics.median([r[f"timing/{t}"] for r in rows if f"timing/{t}" in r] or [0.0]) for t in TIMES},
-            "peak_rss_mib": max(r.get("memory/timing/step/peak_rss_mib", 0.0) for rep in reps for r in rep),
+            **{f"median_{t}_s": statistics.median([r[phase_key(t)] for r in rows if phase_key(t) in r] or [0.0]) for t in TIMES},
+            "peak_rss_mib": max(r.get(memory_key("step", "peak_rss_mib"), 0.0) for rep in reps for r in rep),
             "steps_measured": len(rows),
         }
     base = summary.get("none", {}).get("median_step_s")

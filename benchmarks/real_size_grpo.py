@@ -10,7 +10,7 @@ update (fp32 master weights and AdamW state whatever it is) and the vLLM engine'
 The reward is the length of the decoded answer (a random-init model's math score is 0, and a
 reward that never varies would leave the update nothing to do).
 
-Recorded per step, from the trainer's own metrics (``memory/timing/<phase>/peak_rss_mib``: the
+Recorded per step, from the trainer's own metrics (``memory/timing_s/<phase>/peak_rss_mib``: the
 kernel's VmHWM reset at each phase, max over ranks): the peak resident memory of every phase,
 the phase times, and, sampled every second by this script, the whole host's used memory.
 Writes results/real_size_grpo_<preset>_<dtype>.json and .png (or ``--name``); the run's exit status is in the
@@ -26,6 +26,7 @@ import sys
 import threading
 
 from benchmarks.common import ROOT, figure, machine_info, run_trainer, save_figure, write_json
+from hybrid_rl.timing import memory_key, phase_key
 
 PHASES = ("generate", "reward", "update", "switch_to_rollout", "switch_to_train")
 
@@ -73,10 +74,10 @@ def main() -> None:
     for r in rows:
         steps.append({
             "step": r["step"],
-            "step_s": r.get("timing/step"),
-            "phase_s": {ph: r.get(f"timing/{ph}") for ph in PHASES},
-            "peak_rss_mib": {ph: r.get(f"memory/timing/{ph}/peak_rss_mib") for ph in PHASES},
-            "reward_mean": r.get("reward/mean"),
+            "step_s": r.get("timing_s/step"),
+            "phase_s": {ph: r.get(phase_key(ph)) for ph in PHASES},
+            "peak_rss_mib": {ph: r.get(memory_key(ph, "peak_rss_mib")) for ph in PHASES},
+            "reward_mean": r.get("critic/score/mean"),
             "grad_norm": r.get("actor/grad_norm"),
         })  # fmt: skip
     peaks = {ph: max((s["peak_rss_mib"][ph] or 0.0) for s in steps) if steps else None for ph in PHASES}

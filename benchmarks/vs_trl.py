@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import figure, machine_info, save_figure, write_json
+from hybrid_rl.timing import phase_key
 
 HERE = Path(__file__).resolve().parent
 DEPS = HERE / ".deps"
@@ -164,9 +165,9 @@ def run_hybrid(args, ranks: int) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"hybrid_rl ({ranks} ranks) failed:\n{p.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "timing/step" in r]
-    phases = {k: [sum(r.get(f"timing/{n}", 0.0) for n in names) for r in rows] for k, names in HYBRID_PHASES.items()}
-    return {"step_seconds": [r["timing/step"] for r in rows], "phases": phases}
+    rows = [r for r in rows if "timing_s/step" in r]
+    phases = {k: [sum(r.get(phase_key(n), 0.0) for n in names) for r in rows] for k, names in HYBRID_PHASES.items()}
+    return {"step_seconds": [r["timing_s/step"] for r in rows], "phases": phases}
 
 
 def run_trl(args, bf16: bool) -> dict:

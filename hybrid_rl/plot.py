@@ -14,7 +14,7 @@ def load(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ...] = ("reward/mean",), window: int = 5) -> Path:
+def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ...] = ("critic/score/mean",), window: int = 5) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -94,11 +94,28 @@ def process_stats() -> dict[str, float]:
     }
 
 
+# The RL step's phases under verl's metric names (timing_s/gen, timing_s/old_log_prob, ...), so a
+# verl user's dashboards carry over; the switch's phases are this project's own.
+STEP_PREFIX = "timing_s"
+VERL_PHASES = {"generate": "gen", "logprobs": "old_log_prob", "advantage": "adv", "update": "update_actor", "validate": "testing"}
+
+
+def phase_key(phase: str) -> str:
+    """The metric an RL step's ``phase`` (as the trainer names it: generate, update, ...) is logged under."""
+    return f"{STEP_PREFIX}/{VERL_PHASES.get(phase, phase)}"
+
+
+def memory_key(phase: str, reading: str) -> str:
+    """The metric of a memory ``reading`` (rss_mib, peak_rss_mib, ...) taken after an RL step's ``phase``."""
+    return f"memory/{phase_key(phase)}/{reading}"
+
+
 @dataclass
 class PhaseTimer:
-    """Accumulates seconds (and memory after each phase) under names like ``timing/rollout``."""
+    """Accumulates seconds (and memory after each phase) under ``<prefix>/<phase>`` (phases of the
+    RL step under their verl names, :func:`phase_key`)."""
 
-    prefix: str = "timing"
+    prefix: str = STEP_PREFIX
     device: torch.device | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -124,10 +141,11 @@ class PhaseTimer:
             self.memory[name] = reading
 
     def metrics(self) -> dict[str, float]:
-        out = {f"{self.prefix}/{k}": v for k, v in self.seconds.items()}
+        names = VERL_PHASES if self.prefix == STEP_PREFIX else {}
+        out = {f"{self.prefix}/{names.get(k, k)}": v for k, v in self.seconds.items()}
         for k, mem in self.memory.items():
             for mk, mv in mem.items():
-                out[f"memory/{self.prefix}/{k}/{mk}"] = mv
+                out[f"memory/{self.prefix}/{names.get(k, k)}/{mk}"] = mv
         return out
 
     def reset(self) -> None:

@@ -74,14 +74,14 @@ def ppo_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
     pg2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss = torch.maximum(pg1, pg2)
     metrics = {
-        "actor/clip_frac": masked_mean((pg2 > pg1).float(), mask),
+        "actor/pg_clipfrac": masked_mean((pg2 > pg1).float(), mask),
         "actor/ppo_kl": masked_mean(-log_ratio, mask),
     }
     c = getattr(cfg, "clip_ratio_c", None)
     if c is not None:
         dual = torch.minimum(loss, -advantages * c)
         neg = advantages < 0
-        metrics["actor/dual_clip_frac"] = masked_mean((neg & (loss > -advantages * c)).float(), mask)
+        metrics["actor/pg_clipfrac_lower"] = masked_mean((neg & (loss > -advantages * c)).float(), mask)
         loss = torch.where(neg, dual, loss)
     return loss, metrics
 
@@ -109,7 +109,7 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tenso
     seq_clipped = ((pg2 > pg1).float() * mask).amax(-1)
     has = (mask.sum(-1) > 0).float()
     return loss, {
-        "actor/clip_frac": (seq_clipped * has).sum() / has.sum().clamp(min=1),
+        "actor/pg_clipfrac": (seq_clipped * has).sum() / has.sum().clamp(min=1),
         "actor/ppo_kl": masked_mean(-log_ratio, mask),
     }
 
@@ -214,7 +214,7 @@ def make_critic_loss(cfg: Any) -> LossFn:
         loss = clipped_value_loss(out.values, mb.values, mb.returns, cfg.cliprange_value)
         clip_frac = ((out.values - mb.values).abs() > (cfg.cliprange_value or float("inf"))).float()
         metrics = {
-            "critic/value_loss": masked_mean(loss.detach(), mask),
+            "critic/vf_loss": masked_mean(loss.detach(), mask),
             "critic/clip_frac": masked_mean(clip_frac, mask),
             "critic/values": masked_mean(out.values.detach(), mask),
         }

@@ -32,14 +32,21 @@ from hybrid_rl.rollout.tools import get_parser
 from hybrid_rl.timing import PhaseTimer
 from hybrid_rl.trainer.validation import single_turn_sampler
 
+# What the reward stage reports: verl's critic/score/* and this project's reward/* (failures,
+# informative groups, each function's and reward model's share).
+REWARD_METRICS = ("reward/", "critic/score/")
+
 
 def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """Reward metrics over every DAPO generation round (equal-sized rounds): counts summed,
-    the rest averaged."""
+    """Reward metrics over every DAPO generation round (equal-sized rounds): counts summed, maxima
+    and minima over the rounds, the rest averaged."""
     out: dict[str, float] = {}
     for k in rounds[0]:
         vals = [r[k] for r in rounds if k in r]
-        out[k] = sum(vals) if k in ("reward/failed", "reward/timeouts") else sum(vals) / len(vals)
+        if k in ("reward/failed", "reward/timeouts"):
+            out[k] = sum(vals)
+        else:
+            out[k] = max(vals) if k.endswith("/max") else min(vals) if k.endswith("/min") else sum(vals) / len(vals)
     return out
 
 
@@ -179,7 +186,7 @@ class RolloutCollector:
             return rollout
         target = self.cfg.data.train_batch_size * self.cfg.rollout.n
         kept, drawn, rounds = [], 0, 0
-        round_metrics = [{k: v for k, v in m.items() if k.startswith("reward/")}]
+        round_metrics = [{k: v for k, v in m.items() if k.startswith(REWARD_METRICS)}]
         while True:
             everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
             drawn += len({s.group for s in everyone})
@@ -241,7 +248,9 @@ class RolloutCollector:
             # Groups whose G rewards are not all equal: the only ones a group baseline learns from.
             "reward/informative_groups": mixed.unique().numel() / max(groups.unique().numel(), 1),
             "reward/overlong_penalty": float(penalty.mean()),
-            "reward/mean": float(scores.mean()),
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
             "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
             "reward/failed": float(sum(r.failed > 0 for r in results)),
             "reward/timeouts": float(sum(r.timed_out for r in results)),

@@ -16,13 +16,13 @@ log = logging.getLogger("hybrid_rl")
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = [
-    ("reward/mean", "reward"),
+    ("critic/score/mean", "reward"),
     ("val/accuracy", "val_acc"),
-    ("response/length_mean", "len"),
+    ("response_length/mean", "len"),
     ("actor/entropy", "ent"),
     ("actor/grad_norm", "gnorm"),
     ("actor/kl_loss", "kl"),
-    ("timing/step", "step_s"),
+    ("timing_s/step", "step_s"),
     ("switch/to_rollout_s", "switch_s"),
     ("sft/nll", "nll"),
 ]

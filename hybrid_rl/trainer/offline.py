@@ -45,8 +45,8 @@ def fit_offline(
         start = time.perf_counter()
         batch = next_batch()
         last = engine.train_batch(batch, loss_fn, metric_weight=metric_weight)
-        last["timing/step"] = time.perf_counter() - start
-        last["train/tokens_per_s"] = all_reduce_sum([float(batch.attention_mask.sum())])[0] / last["timing/step"]
+        last["timing_s/step"] = time.perf_counter() - start
+        last["train/tokens_per_s"] = all_reduce_sum([float(batch.attention_mask.sum())])[0] / last["timing_s/step"]
         if step % log_every == 0 or step == steps:
             logger.log(step, last)
     return last

@@ -28,7 +28,7 @@ from hybrid_rl.engine.heads import Sampling
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import fault_active, maybe_fail
 from hybrid_rl.resume import model_identity
-from hybrid_rl.timing import PhaseTimer, process_stats
+from hybrid_rl.timing import STEP_PREFIX, PhaseTimer, phase_key, process_stats
 from hybrid_rl.trainer import checkpoint as ckpt
 from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
@@ -39,6 +39,12 @@ from hybrid_rl.trainer.step_metrics import Throughput, reduce_metrics, switch_me
 from hybrid_rl.trainer.validation import evaluate, paired_gain
 
 log = logging.getLogger("hybrid_rl")
+
+
+def _masked_extremes(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """``name/max`` and ``name/min`` of ``x`` over the tokens where ``mask`` is 1 (0 when there are none)."""
+    real = x[mask > 0]
+    return {f"{name}/max": float(real.max()) if real.numel() else 0.0, f"{name}/min": float(real.min()) if real.numel() else 0.0}
 
 
 class RLTrainer:
@@ -60,7 +66,7 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
-        self.throughput = Throughput(parts.actor, cfg.actor.epochs)
+        self.throughput = Throughput(parts.actor, cfg.actor.epochs, cfg.data.max_prompt_length)
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         made_from = {"model": model_identity(cfg.model), "model_dir": str(Path(parts.model_path).resolve()), "config": resolved}
         self.control = RunControl(cfg.trainer, ctx, self.out_dir, parts.actor, parts.critic, made_from)
@@ -99,7 +105,7 @@ class RLTrainer:
 
     def step(self) -> dict[str, float]:
         """One RL step; reads as the phases it runs."""
-        timer = PhaseTimer("timing", self.ctx.device)
+        timer = PhaseTimer(STEP_PREFIX, self.ctx.device)
         m: dict[str, float] = {}
         with timer.phase("step"):
             rollout = self.collector.collect(self.step_idx, timer, m)
@@ -123,7 +129,7 @@ class RLTrainer:
     def train_on_batch(self, rollout: Rollout, timer: PhaseTimer | None = None) -> dict[str, float]:
         """Log-probs, advantages and the policy (and critic) update on one scored rollout, with
         the engines in training mode; bumps the trainer's weights version."""
-        timer = timer or PhaseTimer("timing", self.ctx.device)
+        timer = timer or PhaseTimer(STEP_PREFIX, self.ctx.device)
         if not rollout.samples:  # dynamic sampling kept nothing: every group's answers scored the same
             return {"dapo/skipped_updates": 1.0}
         m: dict[str, float] = {}
@@ -217,15 +223,16 @@ class RLTrainer:
         if batch.truncated is not None:
             batch.response_mask[batch.truncated] = 0.0  # out of the loss, not out of the statistics
         m = {
-            "advantage/mean": float(masked_mean(batch.advantages, batch.response_mask)),
+            "critic/advantages/mean": float(masked_mean(batch.advantages, batch.response_mask)),
             "advantage/abs_mean": float(masked_mean(batch.advantages.abs(), batch.response_mask)),
+            **_masked_extremes("critic/advantages", batch.advantages, batch.response_mask),
         }
         if kl is not None:
             # The global token-weighted KL: every rank updates its controller from the same
             # number, so all ranks fold the same coefficient into their rows.
             kl_sum, n_tok = all_reduce_sum([float((kl * batch.response_mask).sum()), float(batch.response_mask.sum())])
             current = kl_sum / max(n_tok, 1.0)
-            m["reward/kl"], m["reward/kl_coef"] = current, self.kl_ctrl.value
+            m["actor/reward_kl_penalty"], m["actor/reward_kl_penalty_coeff"] = current, self.kl_ctrl.value
             self.kl_ctrl.update(current, batch.size * self.ctx.world_size)
         return m
 
@@ -286,7 +293,7 @@ class RLTrainer:
             self.val_start_hits = hits
         else:
             out["val/gain"], out["val/gain_se"] = paired_gain(self.val_start_hits, hits)
-        out["timing/validate"] = time.perf_counter() - start
+        out[phase_key("validate")] = time.perf_counter() - start
         return out
 
     def export_hf(self) -> None:

@@ -33,22 +33,27 @@ def switch_metrics(report: SwitchReport) -> dict[str, float]:
 
 
 def reduce_metrics(m: dict[str, float]) -> dict[str, float]:
-    """Mean over ranks, except token counts (summed), throughput (already global) and memory
-    peaks (the largest rank's: the one that meets the limit first)."""
+    """Mean over ranks, except token counts (summed), throughput (already global), memory peaks
+    and ``*/max`` (the largest rank's: the one that meets the limit first) and ``*/min`` (the smallest)."""
     summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
     globals_ = {k for k in m if k.endswith(("tokens_per_s", "tflops_per_s")) or k.startswith("dapo/")}
-    peaks = sorted(k for k in m if "peak_" in k and k not in summed and k not in globals_)
+    rest = [k for k in m if k not in summed and k not in globals_]
+    peaks = sorted(k for k in rest if "peak_" in k or k.endswith("/max"))
+    lows = sorted(k for k in rest if k.endswith("/min"))
     sums = dict(zip(sorted(summed), all_reduce_sum([m[k] for k in sorted(summed)]), strict=True))
-    maxes = dict(zip(peaks, all_reduce_max_list([m[k] for k in peaks]), strict=True))
-    means = mean_over_ranks({k: v for k, v in m.items() if k not in summed and k not in globals_ and k not in maxes})
-    return {**means, **sums, **maxes, **{k: m[k] for k in globals_}}
+    # one collective for both: min(x) = -max(-x)
+    extremes = all_reduce_max_list([m[k] for k in peaks] + [-m[k] for k in lows])
+    maxes = dict(zip(peaks, extremes[: len(peaks)], strict=True))
+    mins = {k: -v for k, v in zip(lows, extremes[len(peaks) :], strict=True)}
+    means = mean_over_ranks({k: v for k, v in m.items() if k in rest and k not in maxes and k not in mins})
+    return {**means, **sums, **maxes, **mins, **{k: m[k] for k in globals_}}
 
 
 class Throughput:
     """Tokens and model FLOPs per second of generation and of the update, for one step."""
 
-    def __init__(self, actor: Any, epochs: int) -> None:
-        self.actor, self.epochs = actor, epochs
+    def __init__(self, actor: Any, epochs: int, max_prompt_length: int = 0) -> None:
+        self.actor, self.epochs, self.max_prompt_length = actor, epochs, max_prompt_length
         self.flops = model_flops(actor)
 
     def __call__(self, rollout: Rollout, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
@@ -60,10 +65,17 @@ class Throughput:
         def per_s(amount: float, phase: str) -> float:
             return amount / max(timer.seconds.get(phase, 1e-9), 1e-9)
 
+        prompts = torch.tensor([len(s.prompt_ids) for s in rollout.samples], dtype=torch.float32)
         m = {
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
+            # verl's names: model-written response tokens, and prompts (cut at data.max_prompt_length)
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
+            "prompt_length/mean": float(prompts.mean()),
+            "prompt_length/max": float(prompts.max()),
+            "prompt_length/min": float(prompts.min()),
+            "prompt_length/clip_ratio": float((prompts >= self.max_prompt_length).float().mean()) if self.max_prompt_length else 0.0,
             "rollout/tokens_per_s": per_s(gen_tokens, "generate"),
             "train/tokens_per_s": per_s(train_tokens, "update"),
         }

@@ -49,7 +49,7 @@ def test_steps_are_finite_and_bump_weights_version(first_run):
     steps = [r for r in rows(first_run) if "actor/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
-        for key in ("actor/loss", "actor/grad_norm", "reward/mean", "actor/entropy", "rollout/logprob_diff_mean"):
+        for key in ("actor/loss", "actor/grad_norm", "critic/score/mean", "actor/entropy", "rollout/logprob_diff_mean"):
             assert key in r and r[key] == r[key]  # present and not NaN
         # a real update: non-zero advantages and gradients
         assert r["advantage/abs_mean"] > 0 and r["actor/grad_norm"] > 0 and r["reward/std"] > 0

@@ -27,7 +27,7 @@ BASE = [
     f"trainer.total_steps={STEPS}",
     f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
 ]
-COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean", "weights_version"]
+COMPARED = ["critic/score/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response_length/mean", "weights_version"]
 
 
 def cmd(out: Path) -> list[str]:

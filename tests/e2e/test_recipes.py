@@ -47,15 +47,21 @@ def run(out: Path, recipe: str, *extra: str) -> list[dict]:
 def test_recipe_runs(tmp_path, recipe):
     rows = [r for r in run(tmp_path, recipe, *RECIPES[recipe]) if "weights_version" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    updated = [r for r in rows if "actor/loss" in r or "critic/value_loss" in r]
+    updated = [r for r in rows if "actor/loss" in r or "critic/vf_loss" in r]
     assert updated, "no update ran"
     for r in updated:
-        for k in ("actor/loss", "actor/grad_norm", "critic/value_loss"):
+        for k in ("actor/loss", "actor/grad_norm", "critic/vf_loss"):
             if k in r:
                 assert r[k] == r[k] and abs(r[k]) < 1e6
     if recipe == "ppo_math":
-        assert "critic/value_loss" in rows[0] and "actor/loss" not in rows[0]  # warm-up: critic only
+        assert "critic/vf_loss" in rows[0] and "actor/loss" not in rows[0]  # warm-up: critic only
         assert "actor/loss" in rows[1]
+    if recipe == "grpo_math":  # verl's names for the same quantities
+        verl = {"critic/score/mean", "critic/score/max", "critic/advantages/min", "response_length/mean", "response_length/clip_ratio",
+                "prompt_length/mean", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/step",
+                "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"}  # fmt: skip
+        assert verl <= set(rows[0]), verl - set(rows[0])
+        assert rows[0]["critic/score/min"] <= rows[0]["critic/score/mean"] <= rows[0]["critic/score/max"]
     if recipe == "dapo_math":
         assert "dapo/gen_rounds" in rows[0]
     if recipe == "remax_math":
@@ -109,12 +115,12 @@ def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
         )
         if "weights_version" in r
     ]
-    assert all("reward/reward_model" in r and "reward/kl" in r for r in rows)
+    assert all("reward/reward_model" in r and "actor/reward_kl_penalty" in r for r in rows)
     # two different models scored every step; the min of standardised scores is below their mean (0)
     assert all(r["reward/reward_model_0"] != r["reward/reward_model_1"] and r["reward/reward_model_disagreement"] > 0 for r in rows)
     assert all(r["reward/reward_model"] < 0 for r in rows)
-    assert rows[0]["reward/kl_coef"] == pytest.approx(0.01)
-    assert rows[1]["reward/kl_coef"] != rows[0]["reward/kl_coef"]  # the adaptive controller moved it
+    assert rows[0]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.01)
+    assert rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]  # the adaptive controller moved it
 
 
 # top-k / top-p sampling with KL in the reward, a KL loss and the adaptive controller
@@ -135,5 +141,5 @@ def test_truncated_sampling_with_kl_stays_finite(tmp_path, recipe):
         assert not bad, (r["step"], bad)
         assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
     # Step 1's policy is the reference: untruncated on both sides, the KL is 0 (it was ~0.005 at top_p=0.9).
-    assert abs(rows[0]["actor/ref_kl_k3"]) < 1e-6 and abs(rows[0]["reward/kl"]) < 1e-6
-    assert rows[2]["reward/kl"] > 0 and rows[1]["reward/kl_coef"] != rows[0]["reward/kl_coef"]
+    assert abs(rows[0]["actor/ref_kl_k3"]) < 1e-6 and abs(rows[0]["actor/reward_kl_penalty"]) < 1e-6
+    assert rows[2]["actor/reward_kl_penalty"] > 0 and rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]

@@ -24,7 +24,7 @@ BASE = [
     # a custom reward that scores by length makes the updates non-trivial on a random model
     f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
 ]
-COMPARED = ["reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response/length_mean", "weights_version"]
+COMPARED = ["critic/score/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response_length/mean", "weights_version"]
 
 
 def run(out: Path, *extra: str, env: dict | None = None, ranks: int = 1) -> subprocess.CompletedProcess:

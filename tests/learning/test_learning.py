@@ -31,11 +31,11 @@ def train(out: Path, recipe: str, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "hybrid_rl.main", f"+recipe={recipe}", *COMMON, f"trainer.output_dir={out}", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, timeout=900)
     assert p.returncode == 0, p.stderr[-6000:]
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "critic/score/mean" in r]
 
 
 def assert_learns(rows: list[dict], trained_from: int = 1) -> None:
-    rewards = [r["reward/mean"] for r in rows]
+    rewards = [r["critic/score/mean"] for r in rows]
     start, end = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     # measured: GRPO 0.013 -> 0.68, PPO 0.009 -> 0.55 over 12 steps; flipped sign: -> 0.00
     assert end > start + 0.2, f"reward did not rise: {[round(x, 3) for x in rewards]}"
@@ -50,7 +50,7 @@ def test_grpo_raises_the_reward(tmp_path):
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):
     rows = train(tmp_path, "ppo_math", "critic.warmup_steps=2")
-    assert all(r["critic/value_loss"] > 0 for r in rows)
+    assert all(r["critic/vf_loss"] > 0 for r in rows)
     assert_learns(rows, trained_from=3)
 
 
@@ -75,7 +75,7 @@ def test_default_recipe_raises_greedy_accuracy(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r for r in rows if "val/accuracy" in r}
     assert set(val) == {0, 100}, sorted(val)
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    rewards = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert last >= first + 0.05, f"train reward {first:.3f} -> {last:.3f}"
     end = val[100]

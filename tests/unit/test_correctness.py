@@ -151,8 +151,8 @@ def test_k3_is_clamped_like_low_var_kl():
 
 # ---------------------------------------------------------------- 8. metrics
 def test_dapo_reward_metrics_cover_every_round():
-    m = merge_round_metrics([{"reward/mean": 0.2, "reward/failed": 1.0}, {"reward/mean": 0.6, "reward/failed": 2.0}])
-    assert m == {"reward/mean": pytest.approx(0.4), "reward/failed": 3.0}
+    m = merge_round_metrics([{"critic/score/mean": 0.2, "reward/failed": 1.0}, {"critic/score/mean": 0.6, "reward/failed": 2.0}])
+    assert m == {"critic/score/mean": pytest.approx(0.4), "reward/failed": 3.0}
 
 
 def test_metrics_after_a_resume_appear_once_and_nan_is_kept(tmp_path):

@@ -27,8 +27,8 @@ def test_ppo_clip_hand_computed():
     # t2: A<0, ratio 1.1 -> max(1.1, 1.1) = 1.1
     # t3: A<0, ratio 5 -> max(5, 1.28) = 5, dual clip min(5, 3) = 3
     torch.testing.assert_close(loss, torch.tensor([[-1.28, -0.5, 1.1, 3.0]]))
-    assert m["actor/clip_frac"].item() == pytest.approx(0.25)  # only t0 is clipped (pg2 > pg1)
-    assert m["actor/dual_clip_frac"].item() == pytest.approx(0.25)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(0.25)  # only t0 is clipped (pg2 > pg1)
+    assert m["actor/pg_clipfrac_lower"].item() == pytest.approx(0.25)
 
 
 def test_ppo_clip_matches_loop():
