@@ -6,7 +6,7 @@ RECIPE ?= grpo_math
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slurm lint soak gpu-check gpu-wheels bench compare rlhf-mitigations clean
+.PHONY: setup demo test test-all test-slurm lint docs soak gpu-check gpu-wheels bench compare rlhf-mitigations clean
 
 setup:
 	bash scripts/setup_env.sh $(VENV) dev
@@ -14,9 +14,16 @@ setup:
 demo: setup
 	$(PY) -m hybrid_rl.main +recipe=$(RECIPE) $(ARGS)
 
-# Everything CPU CI runs: lint, then all tests except gpu and slow (soak).
-test: setup lint
+# Everything CPU CI runs: lint, the docs site (strict: a broken link or missing page fails), then
+# all tests except gpu and slow (soak).
+test: setup lint docs
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+
+# The reference pages are generated from the code (a test fails when they are stale), then the
+# site is built strictly into site/ (git-ignored).
+docs: setup
+	$(PY) scripts/gen_docs.py --check
+	$(PY) -m mkdocs build --strict --quiet -d site
 
 test-all: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
@@ -29,7 +36,7 @@ soak: setup
 	$(PY) -m pytest -m slow -s $(PYTEST_ARGS)
 
 # The GPU check (benchmarks/gpu_check.sh): runs with the machine's own python3 where there is no
-# .venv (the lent GPU has torch + transformers only; `make gpu-wheels` here builds what it lacks).
+# .venv (a bare node with torch + transformers only; `make gpu-wheels` here builds what it lacks).
 gpu-check:
 	bash benchmarks/gpu_check.sh
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One prepared run of the CUDA path for a lent GPU (one H200, no network, python3 with torch and
+# One prepared run of the CUDA path on a bare GPU node (no network, python3 with torch and
 # transformers but no vLLM, Hydra or math-verify). Under 10 minutes; results as files under $OUT.
 #
 # Here, before the call:   bash scripts/gpu_wheels.sh        (wheels/gpu/, ~0.6 MiB, git-ignored)
-# Device call:             run(command="bash benchmarks/gpu_check.sh", carry=["wheels"], timeout_s=590)
+# There:                   bash benchmarks/gpu_check.sh   (with wheels/ copied along; OUT=<dir> for results)
 # On a GPU node with the full stack (make setup): make gpu-check (the same, plus the vLLM parts).
 #
 # 1. training side without vLLM (benchmarks/gpu_train_check.py, torchrun, NCCL): sharded init,

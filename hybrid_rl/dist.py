@@ -79,8 +79,8 @@ def finish_rank(code: int = 0) -> None:
     """End a torchrun rank: destroy the group, flush stdio and logging, then ``os._exit(code)``.
 
     Interpreter teardown after ``destroy_process_group()`` sometimes aborts with "terminate called
-    without an active exception" (SIGABRT: gloo's worker threads outlive the interpreter; pytorch
-    issue 190489, PR 179291), and an in-process vLLM engine's atexit hook tears the group down
+    without an active exception" (SIGABRT: gloo's worker threads outlive the interpreter;
+    pytorch/pytorch#190489 and its fix, pytorch/pytorch#179291), and an in-process vLLM engine's atexit hook tears the group down
     mid-exit. Either turns a finished rank's exit status into a failure, so torchrun reports a run
     that completed as failed. Everything a run must keep (checkpoints, metrics files, the tracker)
     is written and closed before this is called; only the teardown is skipped.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The pure-Python wheels the lent GPU machine lacks (it has torch, transformers, safetensors,
-# pyarrow, tensorboard, sympy, but no Hydra, OmegaConf or math-verify, and no network): built here
-# into wheels/gpu/ (git-ignored, ~1 MiB), carried with the device call, installed offline there
+# The pure-Python wheels a bare GPU node without network may lack (one with torch, transformers,
+# safetensors, pyarrow, tensorboard, sympy, but no Hydra, OmegaConf or math-verify): built here
+# into wheels/gpu/ (git-ignored, ~1 MiB), copied there with the repository, installed offline
 # by benchmarks/gpu_check.sh. Versions are pyproject.toml's pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."

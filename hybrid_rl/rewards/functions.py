@@ -69,7 +69,7 @@ def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
     exactly; without a box, the last number in the text. This is strict on purpose: math-verify
     evaluates what it parses, so ``\\boxed{41 + 35}`` "equals" 76, and GRPO on the synthetic task
     found that within 40 steps: it stopped computing and boxed the question's expression (held-out
-    "accuracy" 0.32 -> 0.75 with responses 22 -> 9 tokens, docs/issue14_runs.md). Any other ground
+    "accuracy" 0.32 -> 0.75 with responses 22 -> 9 tokens, docs/grpo-math-runs.md). Any other ground
     truth (fractions, LaTeX expressions: MATH-style answers) is compared by ``math-verify``, which
     parses boxed answers, fractions and expressions and compares them symbolically
     (``\\frac{1}{2}`` equals ``0.5``); without a box it uses its own extraction.

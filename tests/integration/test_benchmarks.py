@@ -94,7 +94,7 @@ def test_slow_benchmark_runs(name, tmp_path):
 
 def test_gpu_train_check_runs_on_cpu(tmp_path):
     """The GPU check's training side (benchmarks/gpu_train_check.py) on 2 gloo ranks and the micro
-    preset: the script the lent GPU will run, kept from rotting where CI runs."""
+    preset: the script a GPU node runs, kept from rotting where CI runs."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "benchmarks/gpu_train_check.py"]
     cmd += ["--out", str(tmp_path), "--device", "cpu", "--presets", "micro", "--rows", "4", "--micro-batch", "2"]
     cmd += ["--prompt", "16", "--response", "32", "--gen-tokens", "16", "--param-dtype", "float32", "--rollout-dtype", "float32"]

@@ -64,7 +64,7 @@ def test_default_recipe_raises_greedy_accuracy(tmp_path):
     0.319 -> 0.382 (+6.2 +- 1.1 paired), level 1 0.32 -> 0.51, train reward (steps 1-20 -> 81-100)
     0.235 -> 0.327. With one generation round instead of three (the old recipe) greedy did
     not move in 200 steps (0.319 -> 0.308), so this fails on it; with the advantage's sign flipped
-    the train reward falls (session 10: 0.079 -> 0.001)."""
+    the train reward falls (measured: 0.079 -> 0.001)."""
     cmd = [
         sys.executable, "-m", "hybrid_rl.main", "+recipe=grpo_math", f"trainer.output_dir={tmp_path}",
         "trainer.total_steps=100", "trainer.val_every=100", "rollout.val_pass_k=0", "trainer.export_hf=false",

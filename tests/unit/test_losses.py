@@ -134,6 +134,14 @@ def test_tis_weights_token_and_sequence():
     mask = torch.ones(1, 2)
     torch.testing.assert_close(tis_weights(old, rollout, mask, "token", 1.5), torch.tensor([[1.5, 0.5]]))
     torch.testing.assert_close(tis_weights(old, rollout, mask, "sequence", 1.5), torch.tensor([[1.0, 1.0]]))
+    # ratios whose product is not 1 (a sequence mode returning ones, or the token weights, fails):
+    # per token 1/0.8 = 1.25 and 1/0.5 = 2 (capped at 3); the sequence's product 2.5, and a masked
+    # third token (ratio 4) counts in neither.
+    rollout = torch.log(torch.tensor([[0.8, 0.5, 0.25], [0.8, 0.5, 0.25]]))
+    old, mask = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    torch.testing.assert_close(tis_weights(old, rollout, mask, "token", 3.0)[:, :2], torch.tensor([[1.25, 2.0], [1.25, 2.0]]))
+    torch.testing.assert_close(tis_weights(old, rollout, mask, "sequence", 3.0), torch.full((2, 3), 2.5))
+    torch.testing.assert_close(tis_weights(old, rollout, mask, "sequence", 2.0), torch.full((2, 3), 2.0))  # capped
 
 
 def _batch(mask, adv, old, ref=None):
