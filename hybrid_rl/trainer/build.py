@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -18,6 +18,16 @@ from hybrid_rl.config.compose import compose_recipe, conf_dir, repo_path  # noqa
 from hybrid_rl.config.preflight import check_model_dir  # noqa: F401 (re-exported)
 from hybrid_rl.dist import DistContext
 from hybrid_rl.errors import ConfigError, ModelPathError
+
+if TYPE_CHECKING:  # the real types, without importing the engines when this module loads
+    from transformers import PreTrainedTokenizerBase
+
+    from hybrid_rl.data.dataset import PromptRecord, PromptSampler
+    from hybrid_rl.engine.fsdp import FSDPEngine
+    from hybrid_rl.hybrid.switch import HybridSwitch
+    from hybrid_rl.rewards.pool import RewardPool
+    from hybrid_rl.rollout.base import RolloutEngine
+    from hybrid_rl.rollout.tools import Tool
 
 log = logging.getLogger("hybrid_rl")
 
@@ -88,19 +98,19 @@ def max_model_len(cfg: Any, model_path: str) -> int:
 class RLParts:
     """Everything an RL run is made of, assembled from the config by :func:`build_rl_parts`."""
 
-    tokenizer: Any
-    tools: list
-    train_records: list
-    val_records: list
-    sampler: Any  # data.dataset.PromptSampler
-    actor: Any  # engine.fsdp.FSDPEngine (trainable policy)
-    ref: Any | None  # frozen reference policy, when a KL term needs it
-    critic: Any | None  # value model (critic.enable)
-    rollout_engine: Any  # rollout.base.RolloutEngine
-    switch: Any  # hybrid.switch.HybridSwitch
-    reward_pool: Any  # rewards.pool.RewardPool
-    val_pool: Any  # the verifier's pool for held-out accuracy
-    reward_models: list[Any]  # learned reward models (reward.reward_model.path, then .ensemble); [] = none
+    tokenizer: PreTrainedTokenizerBase
+    tools: list[Tool]
+    train_records: list[PromptRecord]
+    val_records: list[PromptRecord]
+    sampler: PromptSampler
+    actor: FSDPEngine  # the trainable policy
+    ref: FSDPEngine | None  # frozen reference policy, when a KL term needs it
+    critic: FSDPEngine | None  # value model (critic.enable)
+    rollout_engine: RolloutEngine
+    switch: HybridSwitch
+    reward_pool: RewardPool
+    val_pool: RewardPool  # the verifier's pool for held-out accuracy
+    reward_models: list[FSDPEngine]  # learned reward models (reward.reward_model.path, then .ensemble); [] = none
     data_metrics: dict[str, float] = field(default_factory=dict)  # rows read / kept / skipped per split
     model_path: str = ""  # the local model folder the run started from (checkpoints record it for export)
 
