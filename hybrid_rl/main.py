@@ -17,25 +17,11 @@ import hydra
 from omegaconf import DictConfig
 
 from hybrid_rl.config import register_configs
+from hybrid_rl.config.preflight import one_line_error
 from hybrid_rl.env import setup_process_env
 
 log = logging.getLogger("hybrid_rl")
 register_configs()
-
-
-def one_line_error(exc: BaseException) -> str:
-    """Hydra/OmegaConf errors span several lines; keep what names the key and why."""
-    text = str(exc)
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and str(cause) and str(cause) not in text:
-        text = f"{text} {cause}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
-    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment"))]
-    msg = " ".join(keep)
-    if full_key and full_key not in msg:
-        msg = f"{msg} (key: {full_key})"
-    return msg
 
 
 def preflight_or_exit(argv: list[str]) -> None:

@@ -43,7 +43,7 @@ def preflight(cfg: Any, world_size: int, required: list[str] | None = None, note
     try:
         typed = OmegaConf.to_object(cfg)
     except Exception as e:  # a ??? no recipe set, or a value the schema refuses
-        return [*found, _one_line(e)]
+        return [*found, one_line_error(e)]
     found += config_problems(typed, world_size) + data_problems(typed) + reward_problems(typed)
     if not any(p.startswith("model.path ") for p in found):  # else the default path would be checked
         found += model_problems(typed) + warm_start_problems(typed, world_size)
@@ -55,11 +55,19 @@ def preflight(cfg: Any, world_size: int, required: list[str] | None = None, note
     return list(dict.fromkeys(found))
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
-    msg = lines[0] if lines else type(exc).__name__
-    return f"{key}: {msg}" if key and key not in msg else msg
+def one_line_error(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines; keep what names the key and why."""
+    text = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text = f"{text} {cause}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment"))]
+    msg = " ".join(keep)
+    if full_key and full_key not in msg:
+        msg = f"{msg} (key: {full_key})"
+    return msg
 
 
 def required_problems(config_name: str, overrides: list[str]) -> list[str]:

@@ -148,7 +148,7 @@ def test_contradictory_settings_are_named(overrides, world, needle):
     [
         ("data.truncation=chop", "[skip, left, right, error]"),
         ("rollout.dtype=fp8", "[auto, float32, bfloat16, float16]"),
-        ("trainer.task=ppo", "[rl, sft, dpo, rm]"),
+        ("trainer.task=ppo", "[rl, sft, dpo, rm, eval]"),
         ("algorithm.tis_mode=seq", "[none, token, sequence]"),
         ("actor.lr_schedule=linear", "[constant, cosine]"),
         ("logger.backends=[console,tb]", "[console, tensorboard, jsonl, wandb, mlflow]"),
