@@ -27,6 +27,8 @@ ALL = [
     "vs_trl",
     "sandbox_latency",
     "checkpoint_cost",
+    "preflight",
+    "export_memory",
 ]
 ROOT = Path(__file__).resolve().parents[1]
 
