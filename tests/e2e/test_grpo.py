@@ -57,7 +57,10 @@ def test_steps_are_finite_and_bump_weights_version(first_run):
     assert [r["weights_version"] for r in steps] == [1.0, 2.0, 3.0]
     val = [r for r in rows(first_run) if "val/accuracy" in r]
     assert val[0]["step"] == 0 and "val/pass@2" in val[0]
-    assert (first_run / "hf" / "model.safetensors").exists()
+    # the end-of-run export: streamed from the last checkpoint as sharded safetensors with their index
+    index = json.loads((first_run / "hf" / "model.safetensors.index.json").read_text())
+    assert all((first_run / "hf" / f).exists() for f in set(index["weight_map"].values()))
+    assert (first_run / "hf" / "config.json").exists() and (first_run / "hf" / "tokenizer_config.json").exists()
     assert (first_run / "tensorboard").is_dir()
 
 
