@@ -41,6 +41,11 @@ from hybrid_rl.trainer.validation import evaluate, paired_gain
 log = logging.getLogger("hybrid_rl")
 
 
+def kl_side(batch: TrainBatch) -> torch.Tensor:
+    """The policy's side of a KL term: its log-probs without top-k/top-p (the reference's have none)."""
+    return batch.old_kl_logprobs if batch.old_kl_logprobs is not None else batch.old_logprobs
+
+
 def _masked_extremes(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """``name/max`` and ``name/min`` of ``x`` over the tokens where ``mask`` is 1 (0 when there are none)."""
     real = x[mask > 0]
@@ -188,24 +193,19 @@ class RLTrainer:
         batch.old_logprobs, batch.old_kl_logprobs = out.logprobs, out.kl_logprobs
         m = {"actor/entropy_old": float(masked_mean(out.entropy, batch.response_mask))}
         if self.ref is not None:
-            kl = kl_estimate(self._kl_side(batch), batch.ref_logprobs, "k3")
+            kl = kl_estimate(kl_side(batch), batch.ref_logprobs, "k3")
             m["actor/ref_kl_k3"] = float(masked_mean(kl, batch.response_mask))
         diff = (batch.old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
         m["rollout/logprob_diff_mean"] = float(diff.sum() / batch.response_mask.sum().clamp(min=1))
         m["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         return m
 
-    @staticmethod
-    def _kl_side(batch: TrainBatch) -> torch.Tensor:
-        """The policy's side of a KL term: its log-probs without top-k/top-p (the reference's have none)."""
-        return batch.old_kl_logprobs if batch.old_kl_logprobs is not None else batch.old_logprobs
-
     def compute_advantages(self, batch: TrainBatch) -> dict[str, float]:
         """Token rewards (KL folded in if configured), then the registered estimator on the global batch."""
         a = self.cfg.algorithm
         kl = None
         if a.use_kl_in_reward:
-            kl = kl_estimate(self._kl_side(batch), batch.ref_logprobs, a.kl_penalty)
+            kl = kl_estimate(kl_side(batch), batch.ref_logprobs, a.kl_penalty)
         batch.token_rewards = kl_in_reward(batch.scores, batch.response_mask, kl, self.kl_ctrl.value)
         fields = {"token_rewards": batch.token_rewards, "response_mask": batch.response_mask, "group_ids": batch.group_ids}
         if batch.values is not None:

@@ -68,8 +68,10 @@ def test_chunked_logprobs_equal_naive():
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad, w.grad = None, None
     (ref_lp.sum() + ref_ent.sum()).backward()
-    torch.testing.assert_close(gh, h.grad)
-    torch.testing.assert_close(gw, w.grad)
+    # fp32 GEMMs over chunks of 8 vs one [37, 50] product sum in another order: on an avx2-only
+    # CPU the gradients differ by up to ~2e-5 relative (avx512 kernels happened to agree to 1e-6).
+    torch.testing.assert_close(gh, h.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-4)
 
 
 def _engine(ctx, path, micro):
