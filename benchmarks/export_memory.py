@@ -3,13 +3,12 @@
     python -m benchmarks.export_memory [--preset base] [--shard-mb 256]
 
 Writes a real checkpoint of the preset (a 1-rank FSDP2 engine through the trainer's own
-save_checkpoint, optimizer state included), then, each in a fresh process:
-- ``baseline``: the interpreter with torch and torch.distributed.checkpoint imported (the floor);
-- ``stream``: ``hybrid_rl.export`` (loads one safetensors shard at a time from the checkpoint);
-- ``gather``: what the end of a run did before (every rank materialised the full fp32 model:
-  ``FSDPEngine.iter_full_params`` into one dict, then one file), the same checkpoint loaded first.
-Peak RSS (ru_maxrss) of each; the export's own cost is its peak minus the baseline. Writes
-results/export_memory.json and .png.
+save_checkpoint, optimizer state included), then exports it with ``hybrid_rl.export`` in a fresh
+process (torch imported first) and records the memory the export adds: its RSS high-water mark
+(sampled every 5 ms) minus the RSS right before it. The full-gather path it replaces
+(``FSDPEngine.iter_full_params`` into one dict) held the whole fp32 model on every rank, 1.0x the
+model per rank on top of the rank's shard, optimizer and engine. Writes
+results/export_memory_<preset>_<shard>mb.json and .png.
 """
 
 from __future__ import annotations
@@ -23,26 +22,27 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, figure, machine_info, save_figure, write_json
 
-BASELINE = "import resource, torch, torch.distributed.checkpoint; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
-STREAM = (
-    "import resource, sys; from hybrid_rl.export import export_checkpoint; "
-    "export_checkpoint(sys.argv[1], sys.argv[2], shard_mb=int(sys.argv[3])); "
-    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
-)
-GATHER = """
-import resource, sys
-from hybrid_rl.env import setup_process_env
-setup_process_env(threads_per_rank=2)
-from benchmarks.common import actor_config, model_config
-from hybrid_rl.dist import init_distributed
-from hybrid_rl.engine.builders import build_policy_engine
-from hybrid_rl.trainer.checkpoint import AppState, load_checkpoint
-ctx = init_distributed("cpu")
-engine = build_policy_engine(sys.argv[2], model_config(), actor_config(), ctx, total_steps=1)
-load_checkpoint(sys.argv[1], {"app": AppState(engine)}, 0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-full = {n: t.cpu().contiguous() for n, t in engine.iter_full_params(dtype=None)}
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+# Measured inside each process: the RSS right before the operation, and its high-water mark while
+# it runs (a thread samples every 5 ms; ru_maxrss would include the transient peak of imports).
+PROBE = """
+import threading, time, psutil
+class Probe:
+    def __enter__(self):
+        self.p = psutil.Process(); self.before = self.peak = self.p.memory_info().rss; self.run = True
+        self.t = threading.Thread(target=self.loop, daemon=True); self.t.start(); return self
+    def loop(self):
+        while self.run:
+            self.peak = max(self.peak, self.p.memory_info().rss); time.sleep(0.005)
+    def __exit__(self, *a):
+        self.run = False; self.t.join(); self.peak = max(self.peak, self.p.memory_info().rss)
+"""
+STREAM = PROBE + """
+import sys
+import torch, torch.distributed.checkpoint, safetensors.torch  # imported before the measurement
+from hybrid_rl.export import export_checkpoint
+with Probe() as m:
+    export_checkpoint(sys.argv[1], sys.argv[2], shard_mb=int(sys.argv[3]))
+print(m.before, m.peak)
 """
 WRITE = """
 import sys
@@ -75,24 +75,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="export_mem_"))
     ckpt, model_bytes = python(WRITE, str(work / "checkpoints"), model)
     model_bytes = int(model_bytes)
-    baseline = int(python(BASELINE)[0])
-    stream = int(python(STREAM, ckpt, str(work / "hf"), str(args.shard_mb))[0])
-    loaded, gathered = (int(x) for x in python(GATHER, ckpt, model))
+    before, stream = (int(x) for x in python(STREAM, ckpt, str(work / "hf"), str(args.shard_mb)))
     gib = 2**30
     payload = {
         "machine": machine_info(), "preset": args.preset, "shard_mb": args.shard_mb, "model_fp32_bytes": model_bytes,
-        "baseline_peak_bytes": baseline, "stream_peak_bytes": stream, "stream_over_baseline_bytes": stream - baseline,
-        "gather_peak_bytes": gathered, "gather_over_loaded_engine_bytes": gathered - loaded,
-        "stream_cost_over_model": (stream - baseline) / model_bytes, "gather_cost_over_model": (gathered - loaded) / model_bytes,
+        "rss_before_bytes": before, "peak_bytes": stream, "added_bytes": stream - before,
+        "added_over_model": (stream - before) / model_bytes,
+        # the full-gather path it replaces held the whole fp32 model on every rank: 1.0 x the model per rank
+        "full_gather_added_over_model_per_rank": 1.0,
     }  # fmt: skip
-    write_json(f"export_memory_{args.preset}", payload)
+    write_json(f"export_memory_{args.preset}_{args.shard_mb}mb", payload)
     print(json.dumps({k: v for k, v in payload.items() if k != "machine"}, indent=1))
     fig, ax = figure((7, 3.5))
-    bars = {"model (fp32)": model_bytes, "stream export: peak - floor": stream - baseline, "full gather: added peak": gathered - loaded}
-    ax.barh(list(bars), [v / gib for v in bars.values()], color=["tab:gray", "tab:green", "tab:red"])
+    bars = {"model (fp32)": model_bytes, f"streamed export, {args.shard_mb} MiB shards: added peak": stream - before}
+    ax.barh(list(bars), [v / gib for v in bars.values()], color=["tab:gray", "tab:green"])
     ax.set_xlabel("GiB")
     ax.set_title(f"Exporting a checkpoint ({args.preset}, {args.shard_mb} MiB shards): host memory")
-    save_figure(fig, f"export_memory_{args.preset}", grid_axis="x")
+    save_figure(fig, f"export_memory_{args.preset}_{args.shard_mb}mb", grid_axis="x")
 
 
 if __name__ == "__main__":
