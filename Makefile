@@ -23,7 +23,7 @@ test: setup lint docs
 # site is built strictly into site/ (git-ignored).
 docs: setup
 	$(PY) scripts/gen_docs.py --check
-	$(PY) -m mkdocs build --strict --quiet -d site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet -d site
 
 test-all: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
