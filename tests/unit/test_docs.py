@@ -39,8 +39,10 @@ def test_the_configuration_reference_lists_every_field():
     assert page.count("\n| `") == n
 
 
-# What the project's text must not say of itself (development history, other people's machines and files).
-HISTORY = re.compile(r"session [0-9]|issue ?#?[0-9]|issue14|\.\./shared|device call|lent (gpu|machine)", re.IGNORECASE)
+# What the project's text must not say of itself (development history, other people's machines and
+# files). Spelled in parts so that this file does not match its own patterns.
+WORDS = ["sess" + r"ion [0-9]", "iss" + r"ue ?#?[0-9]", "iss" + "ue14", r"\.\./sha" + "red", "device" + " call", "le" + "nt (gpu|machine)"]
+HISTORY = re.compile("|".join(WORDS), re.IGNORECASE)
 
 
 def test_no_development_history_in_the_project_text():
@@ -49,7 +51,7 @@ def test_no_development_history_in_the_project_text():
     offenders = [
         f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}"
         for p in files
-        if p.suffix in (".md", ".py", ".yaml", ".yml", ".sh", ".sbatch", ".txt") and p.name != "test_docs.py"
+        if p.suffix in (".md", ".py", ".yaml", ".yml", ".sh", ".sbatch", ".txt")
         for i, line in enumerate(p.read_text(errors="ignore").splitlines(), 1)
         if HISTORY.search(line)
     ]
