@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_rl.dist import DistContext, barrier, broadcast_object
+from hybrid_rl.dist import DistContext, all_gather_objects, barrier, broadcast_object
 from hybrid_rl.trainer.build import build_rollout_engine, build_tools, load_tokenizer, max_model_len
 
 log = logging.getLogger("hybrid_rl")
@@ -66,16 +66,10 @@ def run_eval(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
         engine.shutdown()
     metrics = {**result.metrics, **standard_errors(result.metrics, result.metrics["val/n"], cfg.rollout.val_pass_k), **report.metrics("val")}
     metrics["timing_s/eval"] = time.perf_counter() - start
-    samples = [s for part in _gather(result.samples) for s in part]
+    samples = [s for part in all_gather_objects(result.samples) for s in part]
     if ctx.is_main:
         write_results(out_dir, cfg, model_path, folder, metrics, samples)
     return metrics
-
-
-def _gather(samples: list[dict]) -> list[list[dict]]:
-    from hybrid_rl.dist import all_gather_objects
-
-    return all_gather_objects(samples)
 
 
 def write_results(out_dir: Path, cfg: Any, model_path: str, folder: str, metrics: dict[str, float], samples: list[dict]) -> None:
