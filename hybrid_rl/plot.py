@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 
@@ -14,7 +15,9 @@ def load(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ...] = ("critic/score/mean",), window: int = 5) -> Path:
+def plot(
+    rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ...] = ("critic/score/mean",), window: int = 5
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,12 +32,13 @@ def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ..
         ax.plot(xs, ys, alpha=0.3, label=f"{key} (per step)")
         avg = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
         ax.plot(xs, avg, label=f"{key} ({window}-step mean)")
-    # Held-out metrics with one standard error (binomial, over val/n problems); per-level ones
-    # (val/accuracy_level2 ...) stay in the JSONL to keep the figure readable.
-    skip = ("val/n", "val/response_length", "val/score")
-    val_keys = sorted({k for r in rows for k in r if k.startswith("val/") and k not in skip and "_level" not in k})
+    # Validation accuracies (overall and per data source) with one binomial standard error over
+    # the problems they count (val/n, val/n/<source>); per-level ones (val/accuracy_level2 ...)
+    # stay in the JSONL to keep the figure readable.
+    val_keys = sorted({k for r in rows for k in r if VAL_CURVE.match(k) and "_level" not in k})
     for key in val_keys:
-        pts = [(r["step"], r[key], r.get("val/n", 0.0)) for r in rows if key in r]
+        n_key = "val/n" + (VAL_CURVE.match(key).group(2) or "")
+        pts = [(r["step"], r[key], r.get(n_key, r.get("val/n", 0.0))) for r in rows if key in r]
         xs, ys, ns = zip(*pts, strict=True)
         se = [(y * (1 - y) / n) ** 0.5 if n and 0 <= y <= 1 else 0.0 for y, n in zip(ys, ns, strict=True)]
         ax.errorbar(xs, ys, yerr=se, marker="o", capsize=3, label=f"{key} (+-1 s.e.)")
@@ -49,6 +53,10 @@ def plot(rows: list[dict], out: str | Path, title: str = "", keys: tuple[str, ..
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# val/accuracy, val/mean@4, val/pass@4 and their per-source forms (group 2: "/<source>" or "").
+VAL_CURVE = re.compile(r"^val/(accuracy|mean@\d+|pass@\d+)(/.+)?$")
 
 
 def main() -> None:

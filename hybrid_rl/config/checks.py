@@ -51,6 +51,7 @@ def _common(cfg: Any) -> list[str]:
         (cfg.critic.loss_agg_mode not in LOSS_AGG_MODES,
          f"critic.loss_agg_mode={cfg.critic.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}"),
         (d.max_prompt_length < 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1"),
+        (not 0 < d.synth.heldout_fraction < 1, f"data.synth.heldout_fraction={d.synth.heldout_fraction} must be in (0, 1)"),
         (act.micro_batch_size < 1, f"actor.micro_batch_size={act.micro_batch_size} must be >= 1"),
         (act.lr <= 0, f"actor.lr={act.lr} must be > 0"),
         (cfg.trainer.total_steps < 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1"),

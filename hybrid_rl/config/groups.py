@@ -43,9 +43,15 @@ class ModelConfig:
 
 @dataclass
 class SynthMathConfig:
-    # Problems in the generated train / validation splits.
+    # Problems in the generated train split and in the held-out validation split (problems with
+    # at least one arithmetic fact that no training problem states; data source synth_math_heldout).
     n_train: int = 20000
     n_val: int = 1024
+    # Problems in the in-distribution validation split: new questions over training facts
+    # (data source synth_math_seen); 0 = none.
+    n_val_seen: int = 256
+    # Share of arithmetic facts ("7 + 8 = 15") held out of every training split (0 < share < 1).
+    heldout_fraction: float = 0.2
     # Difficulty levels (see hybrid_rl.data.synth_math).
     levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     seed: int = 0
@@ -70,7 +76,7 @@ class DataConfig:
     truncation: Truncation = Truncation.skip
     # Prompts per RL step across all ranks (each yields rollout.n samples).
     train_batch_size: int = 32
-    # Validation prompts used per evaluation (0 = all).
+    # Validation prompts per evaluation from the start of each validation file (0 = all).
     val_size: int = 256
     shuffle: bool = True
     seed: int = 0

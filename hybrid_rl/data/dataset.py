@@ -60,22 +60,34 @@ def synth_math_paths(synth: Any) -> dict[str, Path]:
     """Generate (once, cached by its settings) the synthetic math splits; returns their paths."""
     from hybrid_rl.data.synth_math import GENERATOR_VERSION, write_splits
 
-    key = [GENERATOR_VERSION, synth.n_train, synth.n_val, list(synth.levels), synth.seed]
+    key = [
+        GENERATOR_VERSION,
+        synth.n_train,
+        synth.n_val,
+        list(synth.levels),
+        synth.seed,
+        synth.heldout_fraction,
+        synth.n_val_seen,
+    ]
     if synth.direct_share:  # keyed only when set: the other tasks' caches stay where they were
         key.append(synth.direct_share)
     key = json.dumps(key)
     out = cache_root() / "data" / f"synth_math-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    paths = {split: out / f"{split}.parquet" for split in ("train", "val", "val_seen")}
     if not all(p.exists() for p in paths.values()):
-        write_splits(out, synth.n_train, synth.n_val, synth.seed, list(synth.levels), synth.direct_share)
+        write_splits(out, synth.n_train, synth.n_val, synth.seed, list(synth.levels), synth.direct_share,
+                     synth.heldout_fraction, synth.n_val_seen)  # fmt: skip
     return paths
 
 
 def resolve_files(files: list[str], split: str, synth: Any) -> list[Path]:
+    """Paths for ``files``; ``builtin:synth_math`` is the generated task's ``split``, and for
+    ``val`` both of its validation sets (held-out facts, then new questions over training facts)."""
     out = []
     for f in files:
         if f == "builtin:synth_math":
-            out.append(synth_math_paths(synth)[split])
+            paths = synth_math_paths(synth)
+            out += [paths["val"], paths["val_seen"]] if split == "val" and synth.n_val_seen else [paths[split]]
         else:
             out.append(Path(f))
     return out
@@ -161,12 +173,14 @@ def check_chat_template(tokenizer: Any, model_path: str) -> None:
 def load_prompts(
     files: list[Path], tokenizer: Any, cfg: Any, limit: int = 0, tools: list[dict] | None = None
 ) -> tuple[list[PromptRecord], LoadReport]:
-    """Read, validate and tokenise prompts from ``files`` (the ``data`` config gives keys and limits)."""
+    """Read, validate and tokenise prompts from ``files`` (the ``data`` config gives keys and
+    limits); ``limit`` > 0: at most that many from the start of each file."""
     report = LoadReport(files=[str(f) for f in files])
     records: list[PromptRecord] = []
     for path in files:
+        first = len(records)
         for i, row in enumerate(read_rows(path)):
-            if limit and len(records) >= limit:
+            if limit and len(records) - first >= limit:
                 break
             where = f"{path}: row {i}"
             report.rows += 1

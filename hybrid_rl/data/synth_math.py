@@ -15,21 +15,33 @@ level what                                            example answer range
 
 Rows follow verl's parquet schema: ``data_source``, ``prompt`` (chat messages), ``ability``,
 ``reward_model`` (``{"style": "rule", "ground_truth": "12"}``) and ``extra_info`` (split,
-index, level, and a worked ``solution`` used by the SFT warm start). The train and validation
-splits come from separate seeded streams and share no question text.
+index, level, and a worked ``solution`` used by the SFT warm start).
+
+Questions differ only in names, items and verbs, so a split by question text alone would put the
+same arithmetic in training and validation. The split is by *fact* instead: each step of a worked
+solution ("7 + 8 = 15") is held out or not by a seeded hash (``heldout_fraction`` of them), and
+
+- ``train`` (SFT, RL, and the preference pairs built from it) has no held-out fact in any step;
+- ``val`` (data source ``synth_math_heldout``) has a held-out fact in at least one step: a problem
+  whose arithmetic the model never saw worked in training;
+- ``val_seen`` (data source ``synth_math_seen``) has new questions over training facts only: the
+  in-distribution figure, which a model can raise by recalling what it was trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-DATA_SOURCE = "hybrid_rl/synth_math"
-# Bump when the generator changes what it writes: cached splits are keyed by it.
-GENERATOR_VERSION = 3
+DATA_SOURCE = "synth_math"
+HELDOUT_SOURCE = "synth_math_heldout"
+SEEN_SOURCE = "synth_math_seen"
+# Bump when the generator changes what it writes: cached splits and warm starts are keyed by it.
+GENERATOR_VERSION = 4
 INSTRUCTION = "Put the final answer in \\boxed{}."
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo"]
@@ -100,6 +112,18 @@ def make_problem(rng: random.Random, level: int) -> Problem:
     return Problem(p.question, p.answer, p.solution, level)
 
 
+def facts(p: Problem) -> list[str]:
+    """The arithmetic facts a problem's worked solution states, one per step: ``["7 + 8 = 15"]``."""
+    return [step.strip() for step in p.solution.rstrip(".").split(". ")]
+
+
+def is_held_out(fact: str, seed: int, fraction: float) -> bool:
+    """Whether ``fact`` belongs to the held-out share: a seeded hash, so the same fact is held out
+    at every level, in every split and on every machine."""
+    digest = hashlib.sha256(f"{seed}:{fact}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
 def format_solution(p: Problem) -> str:
     """The assistant's worked answer that SFT imitates: the steps, then a boxed result."""
     return f"{p.solution} {boxed_answer(p)}"
@@ -125,10 +149,10 @@ def tool_turns(p: Problem, direct: bool = False) -> list[list[str]]:
     return [["assistant", call], ["tool", str(p.answer)], ["assistant", boxed_answer(p)]]
 
 
-def to_row(p: Problem, split: str, index: int, direct: bool = False) -> dict:
+def to_row(p: Problem, split: str, index: int, direct: bool = False, source: str = DATA_SOURCE) -> dict:
     """A verl-schema row for one problem (``direct``: its ``tool_turns`` answer without the tool)."""
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": source,
         "prompt": [{"role": "user", "content": f"{p.question} {INSTRUCTION}"}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
@@ -137,15 +161,27 @@ def to_row(p: Problem, split: str, index: int, direct: bool = False) -> dict:
             "index": index,
             "level": p.level,
             "solution": format_solution(p),
+            "question": p.question,
+            "facts": facts(p),
             "tool_turns": tool_turns(p, direct),
         },
     }
 
 
+SPLIT_SOURCES = {"train": DATA_SOURCE, "val": HELDOUT_SOURCE, "val_seen": SEEN_SOURCE}
+
+
 def generate_rows(
-    n: int, split: str, seed: int, levels: list[int], exclude: set[str] | None = None, direct_share: float = 0.0
+    n: int,
+    split: str,
+    seed: int,
+    levels: list[int],
+    exclude: set[str] | None = None,
+    direct_share: float = 0.0,
+    keep: Callable[[Problem], bool] | None = None,
 ) -> list[dict]:
-    """``n`` unique problems drawn uniformly over ``levels``; questions in ``exclude`` skipped.
+    """``n`` unique problems drawn uniformly over ``levels``; questions in ``exclude`` skipped,
+    and with ``keep`` only the problems it accepts.
 
     The stream for a split is seeded by ``(seed, split)`` so train and validation are fixed and
     independent of each other's size. A share ``direct_share`` of the rows, drawn from a stream of
@@ -160,33 +196,63 @@ def generate_rows(
     attempts = 0
     while len(rows) < n:
         attempts += 1
-        if attempts > 50 * n + 1000:
+        if attempts > 200 * n + 1000:
             raise ValueError(
                 f"synth_math could only make {len(rows)} unique {split} problems of {n} "
-                f"for levels {levels}: ask for fewer or add levels"
+                f"for levels {levels}: ask for fewer, add levels or change heldout_fraction"
             )
         p = make_problem(rng, levels[len(rows) % len(levels)])
-        if p.question in seen:
+        if p.question in seen or (keep is not None and not keep(p)):
             continue
         seen.add(p.question)
-        rows.append(to_row(p, split, len(rows), direct=style.random() < direct_share))
+        source = SPLIT_SOURCES.get(split, DATA_SOURCE)
+        rows.append(to_row(p, split, len(rows), direct=style.random() < direct_share, source=source))
     return rows
 
 
+def make_splits(
+    n_train: int,
+    n_val: int,
+    n_val_seen: int,
+    seed: int,
+    levels: list[int],
+    direct_share: float = 0.0,
+    heldout_fraction: float = 0.2,
+) -> dict[str, list[dict]]:
+    """The three splits (see the module docstring): ``train``, ``val`` (held-out facts) and
+    ``val_seen`` (new questions whose every fact some training problem states)."""
+
+    def held(p: Problem) -> bool:
+        return any(is_held_out(f, seed, heldout_fraction) for f in facts(p))
+
+    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share, keep=held)
+    train = generate_rows(n_train, "train", seed, levels, direct_share=direct_share, keep=lambda p: not held(p))
+    trained = {f for r in train for f in r["extra_info"]["facts"]}
+    asked = {r["extra_info"]["question"] for r in train}
+    val_seen = generate_rows(
+        n_val_seen, "val_seen", seed, levels, exclude=asked, direct_share=direct_share, keep=lambda p: set(facts(p)) <= trained
+    )
+    return {"train": train, "val": val, "val_seen": val_seen}
+
+
 def write_splits(
-    out_dir: str | Path, n_train: int, n_val: int, seed: int, levels: list[int], direct_share: float = 0.0
+    out_dir: str | Path,
+    n_train: int,
+    n_val: int,
+    seed: int,
+    levels: list[int],
+    direct_share: float = 0.0,
+    heldout_fraction: float = 0.2,
+    n_val_seen: int = 256,
 ) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``val.parquet`` under ``out_dir``; returns their paths."""
+    """Write ``train.parquet``, ``val.parquet`` and ``val_seen.parquet`` under ``out_dir``; returns their paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share)
-    exclude = {r["prompt"][0]["content"] for r in val}
-    train = generate_rows(n_train, "train", seed, levels, exclude=exclude, direct_share=direct_share)
     paths = {}
-    for split, rows in (("train", train), ("val", val)):
+    for split, rows in make_splits(n_train, n_val, n_val_seen, seed, levels, direct_share, heldout_fraction).items():
         path = out / f"{split}.parquet"
         # A name of this process's own: ranks that find an empty cache at once each write their
         # copy (the same rows) and the atomic rename makes the last one win.

@@ -50,6 +50,10 @@ def recipe_cache_key(recipe_cfg: Any) -> str:
     parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in groups}
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
     parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
+    if "builtin:synth_math" in [*recipe_cfg.data.train_files, *recipe_cfg.data.val_files]:
+        from hybrid_rl.data.synth_math import GENERATOR_VERSION
+
+        parts["synth_generator"] = GENERATOR_VERSION  # a model trained on other splits is not this one
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 

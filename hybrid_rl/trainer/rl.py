@@ -36,7 +36,7 @@ from hybrid_rl.trainer.generations import GenerationLog, rollout_rows
 from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.run_control import RunControl
 from hybrid_rl.trainer.step_metrics import Throughput, reduce_metrics, switch_metrics
-from hybrid_rl.trainer.validation import evaluate, paired_gain
+from hybrid_rl.trainer.validation import evaluate, gains_by_source, paired_gain
 
 log = logging.getLogger("hybrid_rl")
 
@@ -293,6 +293,7 @@ class RLTrainer:
             self.val_start_hits = hits
         else:
             out["val/gain"], out["val/gain_se"] = paired_gain(self.val_start_hits, hits)
+            out.update(gains_by_source(self.val_records, self.val_start_hits, hits))
         out[phase_key("validate")] = time.perf_counter() - start
         return out
 

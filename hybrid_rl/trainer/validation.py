@@ -49,10 +49,12 @@ class Evaluation(NamedTuple):
 def breakdowns(record: Any) -> list[str]:
     """The subsets a held-out record is reported in: its ``data_source`` (``val/accuracy/<source>``,
     verl's per-data-source figures) and, where it has an integer ``extra_info.level`` (the
-    synthetic task's), its level (``val/accuracy_level<k>``)."""
-    out = [f"/{record.data_source}"] if getattr(record, "data_source", "") else []
+    synthetic task's), its level (``val/accuracy_level<k>``) and its level within its source
+    (``val/accuracy/<source>_level<k>``)."""
+    source = getattr(record, "data_source", "")
+    out = [f"/{source}"] if source else []
     if (lv := level_of(record)) is not None:
-        out.append(f"_level{lv}")
+        out += [f"_level{lv}"] + ([f"/{source}_level{lv}"] if source else [])
     return out
 
 
@@ -87,7 +89,7 @@ def evaluate(
     mine = records[shard_rank::shard_size]
     # The same keys on every rank, from the whole held-out list.
     subsets = sorted({b for r in records for b in breakdowns(r)})
-    base = ["n", "hits", "score", "passk", "meank", *[f"{k}{b}" for b in subsets for k in ("n", "hits", "meank")]]
+    base = ["n", "hits", "score", "passk", "meank", *[f"{k}{b}" for b in subsets for k in ("n", "hits", "meank", "passk")]]
     sums = dict.fromkeys(base, 0.0)
     extra: dict[str, float] = {}
     hits = [0.0] * len(records)  # this rank's records only; summed over ranks below
@@ -105,33 +107,44 @@ def evaluate(
             if i < keep_samples:
                 kept.append(_sample_row(r, texts[i][0], s[0].score))
         if pass_k > 0:
-            sums.update(_pass_at_k(sample, mine, pool, pass_k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums))
+            sums.update(
+                _pass_at_k(sample, mine, pool, pass_k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums)
+            )
     keys = base + sorted(extra)
     # Every rank must pass the same keys: the sampler reports the same stats on every rank.
     mine_sums = [(sums | extra).get(k, 0.0) for k in keys] + hits
     summed = all_reduce_sum([v if count else 0.0 for v in mine_sums])  # one collective
     totals = dict(zip(keys, summed[: len(keys)], strict=True))
-    return Evaluation(_summary(totals, subsets, sorted(extra), pass_k), torch.tensor(summed[len(keys) :], dtype=torch.float32), kept)
+    return Evaluation(
+        _summary(totals, subsets, sorted(extra), pass_k), torch.tensor(summed[len(keys) :], dtype=torch.float32), kept
+    )
 
 
 def _sample_row(record: Any, response: str, score: float) -> dict[str, Any]:
     messages = getattr(record, "messages", None)
     prompt = messages[-1]["content"] if messages else ""
-    return {"prompt": prompt, "response": response, "score": score, "ground_truth": str(record.ground_truth), "data_source": record.data_source}
+    return {
+        "prompt": prompt,
+        "response": response,
+        "score": score,
+        "ground_truth": str(record.ground_truth),
+        "data_source": record.data_source,
+    }
 
 
-def _pass_at_k(sample, mine, pool, k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums) -> dict[str, float]:
+def _pass_at_k(
+    sample, mine, pool, k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums
+) -> dict[str, float]:
     # One seed per held-out prompt (its global index): siblings of different prompts
     # draw independent noise, and the figure does not depend on the number of ranks.
     seeds = [prompt_seed(seed, 1, shard_rank + i * shard_size) for i in range(len(mine))]
     texts_k, _ = sample(mine, SamplingSpec(n=k, temperature=temperature, max_tokens=max_tokens, seeds=seeds))
-    out = {key: sums[key] for key in sums if key.startswith("meank")}
-    out["passk"] = 0.0
+    out = {key: sums[key] for key in sums if key.startswith(("meank", "passk"))}
     for r, group in zip(mine, score_texts(pool, mine, texts_k), strict=True):
         right = sum(correct(s, accuracy_fn) for s in group)
-        out["passk"] += right > 0
         for b in ["", *breakdowns(r)]:
             out[f"meank{b}"] += right / k
+            out[f"passk{b}"] += right > 0
     return out
 
 
@@ -145,10 +158,13 @@ def _summary(totals: dict[str, float], subsets: list[str], extra: list[str], pas
         out[f"val/pass@{pass_k}"] = totals["passk"] / n
         out[f"val/mean@{pass_k}"] = totals["meank"] / n
     for b in subsets:
+        out[f"val/n{b}"] = totals[f"n{b}"]
         n_b = max(totals[f"n{b}"], 1.0)
-        out[f"val/accuracy{b}"] = totals[f"hits{b}"] / n_b
+        out[f"val/accuracy{b}"] = acc_b = totals[f"hits{b}"] / n_b
+        out[f"val/accuracy_se{b}"] = math.sqrt(acc_b * (1 - acc_b) / n_b)
         if pass_k > 0:
             out[f"val/mean@{pass_k}{b}"] = totals[f"meank{b}"] / n_b
+            out[f"val/pass@{pass_k}{b}"] = totals[f"passk{b}"] / n_b
     return out
 
 
@@ -161,13 +177,28 @@ def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[float, float
     are right (or wrong) both times, the s.e. is far below the unpaired sqrt(se_a^2 + se_b^2).
     """
     if before.shape != after.shape or before.dim() != 1:
-        raise ValueError(f"paired_gain needs two [n] vectors of the same problems, got {tuple(before.shape)} and {tuple(after.shape)}")
+        raise ValueError(
+            f"paired_gain needs two [n] vectors of the same problems, got {tuple(before.shape)} and {tuple(after.shape)}"
+        )
     d = after.double() - before.double()
     n = d.numel()
     if n == 0:
         return 0.0, 0.0
     se = float(d.std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.0
     return float(d.mean()), se
+
+
+def gains_by_source(records: list[Any], before: torch.Tensor, after: torch.Tensor) -> dict[str, float]:
+    """``val/gain/<source>`` and ``val/gain_se/<source>``: :func:`paired_gain` over each data
+    source's records alone (``records`` in the order of the hit vectors), where there are several."""
+    sources = [getattr(r, "data_source", "") for r in records]
+    out: dict[str, float] = {}
+    if len(set(sources)) < 2:
+        return out
+    for source in sorted(set(sources) - {""}):
+        idx = torch.tensor([i for i, s in enumerate(sources) if s == source])
+        out[f"val/gain/{source}"], out[f"val/gain_se/{source}"] = paired_gain(before[idx], after[idx])
+    return out
 
 
 def level_of(record: Any) -> int | None:

@@ -37,16 +37,43 @@ def test_problems_are_correct_and_levels_scale():
 
 
 def test_splits_fixed_by_seed_and_disjoint(tmp_path):
-    a = synth_math.write_splits(tmp_path / "a", 300, 50, seed=1, levels=[1, 2, 3, 4])
-    b = synth_math.write_splits(tmp_path / "b", 300, 50, seed=1, levels=[1, 2, 3, 4])
+    a = synth_math.write_splits(tmp_path / "a", 300, 50, seed=1, levels=[1, 2, 3, 4], n_val_seen=20)
+    b = synth_math.write_splits(tmp_path / "b", 300, 50, seed=1, levels=[1, 2, 3, 4], n_val_seen=20)
     ra, rb = read_rows(a["train"]), read_rows(b["train"])
     assert ra == rb and len(ra) == 300
-    val = {r["prompt"][0]["content"] for r in read_rows(a["val"])}
-    assert not val & {r["prompt"][0]["content"] for r in ra}
+    assert read_rows(a["val_seen"]) == read_rows(b["val_seen"])
+    texts = {split: {r["prompt"][0]["content"] for r in read_rows(a[split])} for split in ("train", "val", "val_seen")}
+    assert not texts["val"] & texts["train"] and not texts["val_seen"] & texts["train"]
     row = ra[0]
     assert row["data_source"] == synth_math.DATA_SOURCE
     assert row["prompt"][0]["role"] == "user" and row["reward_model"]["style"] == "rule"
     assert row["extra_info"]["split"] == "train"
+
+
+def _worked_facts(row: dict) -> set[str]:
+    """The equations a row's worked solution (what SFT imitates) states, read from its text."""
+    return set(row["extra_info"]["solution"].split(" The answer")[0].rstrip(".").split(". "))
+
+
+def test_held_out_problems_share_no_worked_fact_with_training():
+    """The default splits: every held-out problem states an equation no training row's worked
+    solution states (the SFT target, the RL prompts and the preference pairs all come from the
+    train split), at every level; every in-distribution problem's equations are all in training,
+    and its question is new. A split by question text alone fails the first check (61% of the
+    held-out problems had a training twin)."""
+    splits = synth_math.make_splits(20000, 1024, 256, seed=0, levels=[1, 2, 3, 4])
+    trained = set().union(*map(_worked_facts, splits["train"]))
+    questions = {r["prompt"][0]["content"] for r in splits["train"]}
+    by_level: dict[int, int] = {}
+    for r in splits["val"]:
+        assert not _worked_facts(r) <= trained, r["extra_info"]["solution"]
+        assert r["data_source"] == synth_math.HELDOUT_SOURCE
+        by_level[r["extra_info"]["level"]] = by_level.get(r["extra_info"]["level"], 0) + 1
+    assert by_level == {1: 256, 2: 256, 3: 256, 4: 256}
+    for r in splits["val_seen"]:
+        assert _worked_facts(r) <= trained and r["prompt"][0]["content"] not in questions
+        assert r["data_source"] == synth_math.SEEN_SOURCE
+    assert len(splits["val_seen"]) == 256
 
 
 def test_direct_share_changes_only_the_tool_targets():
@@ -171,7 +198,9 @@ def test_load_report_names_what_the_length_limit_did(tmp_path, tokenizer):
     f = tmp_path / "rows.jsonl"
     rows = [{"prompt": [{"role": "user", "content": "x " * n}], "reward_model": {"ground_truth": "1"}} for n in (2, 3, 80)]
     f.write_text("\n".join(_json.dumps(r) for r in rows))
-    cfg = SimpleNamespace(prompt_key="prompt", answer_key="reward_model.ground_truth", system_prompt=None, max_prompt_length=40, truncation="skip")
+    cfg = SimpleNamespace(
+        prompt_key="prompt", answer_key="reward_model.ground_truth", system_prompt=None, max_prompt_length=40, truncation="skip"
+    )
     records, report = load_prompts([f], tokenizer, cfg)
     assert len(records) == 2 and report.skipped_too_long == 1 and report.rows == 3
     line = report.summary("data.train_files", 40)

@@ -9,7 +9,7 @@ import torch
 
 from hybrid_rl.data.dataset import PromptRecord
 from hybrid_rl.rewards.pool import RewardPool
-from hybrid_rl.trainer.validation import evaluate, paired_gain
+from hybrid_rl.trainer.validation import evaluate, gains_by_source, paired_gain
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +29,19 @@ def test_paired_gain_by_hand():
     assert paired_gain(after, after) == (0.0, 0.0)
     with pytest.raises(ValueError, match="same problems"):
         paired_gain(before, after[:5])
+
+
+def test_gain_per_source_pairs_each_sources_problems_only():
+    """Two validation sets in one evaluation (the synthetic task's held-out and in-distribution
+    ones): each source's gain is paired over its own problems, and one source gets no breakdown."""
+    recs = [SimpleNamespace(data_source=s) for s in ("held", "seen", "held", "seen", "held")]
+    before = torch.tensor([0.0, 1, 0, 0, 1])
+    after = torch.tensor([1.0, 1, 1, 0, 0])
+    out = gains_by_source(recs, before, after)
+    assert out["val/gain/held"] == pytest.approx(paired_gain(torch.tensor([0.0, 0, 1]), torch.tensor([1.0, 1, 0]))[0])
+    assert out["val/gain/held"] == pytest.approx(1 / 3) and out["val/gain/seen"] == 0.0
+    assert out["val/gain_se/seen"] == 0.0 and out["val/gain_se/held"] > 0
+    assert gains_by_source(recs[:1] * 3, before[:3], after[:3]) == {}
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +70,21 @@ def test_hits_are_in_record_order_for_every_shard(pool):
     assert [s["ground_truth"] for s in samples] == ["0", "1"] and samples[0]["score"] == 1.0 and samples[1]["score"] == 0.0
     assert "\\boxed{-1}" in samples[1]["response"] and samples[0]["data_source"] == "math"
     # per data source (verl's per-data_source figures) and per level
-    assert whole["val/accuracy/math"] == pytest.approx(4 / 7)
+    assert whole["val/accuracy/math"] == pytest.approx(4 / 7) and whole["val/n/math"] == 7
+    assert whole["val/accuracy_se/math"] == pytest.approx(math.sqrt(4 / 7 * 3 / 7 / 7))
+    assert whole["val/accuracy/math_level2"] == pytest.approx(1 / 3) and whole["val/n/math_level2"] == 3
     assert whole["val/accuracy_level1"] == pytest.approx(3 / 4) and whole["val/accuracy_level2"] == pytest.approx(1 / 3)
     assert hits.tolist() == [float(i in right) for i in range(7)]
     assert whole["val/accuracy"] == pytest.approx(4 / 7)
     assert whole["val/accuracy_se"] == pytest.approx(math.sqrt(4 / 7 * 3 / 7 / 7))
+    # Sampled: a sampler right on every even answer of k=2 draws gives pass@2 over the records that
+    # have one right answer in their group, per source and level too.
+    def sample_k(recs, spec):
+        return [[f"\\boxed{{{r.ground_truth if (j + int(r.ground_truth)) % 2 == 0 else -1}}}" for j in range(spec.n)] for r in recs], {}
+
+    k2 = evaluate(sample_k, records, pool, ctx, 8, pass_k=2)[0]
+    assert k2["val/pass@2"] == 1.0 and k2["val/mean@2"] == 0.5
+    assert k2["val/pass@2/math_level1"] == 1.0 and k2["val/mean@2/math"] == 0.5
     # Two ranks' shards (no process group here, so each keeps its own part): the parts add up
     # to the whole vector, each problem at its own index.
     parts = [evaluate(sample, records, pool, ctx, 8, shard=(r, 2))[1] for r in range(2)]
