@@ -1,8 +1,8 @@
 """What the policy wrote, where a person can read it (verl's ``log_val_generations`` /
 ``rollout_data_dir``, TRL's ``log_completions``): the first ``logger.generations`` samples of
 every validation and of every ``logger.generations_every``-th training step, as
-``generations/{val,train}_step_XXXX.jsonl`` (prompt, response, score, ground truth, data source)
-and as TensorBoard text."""
+``generations/{val,train}_step_XXXX.jsonl`` (prompt, response, score, ground truth, data source;
+for training samples also their group and advantage) and as TensorBoard text."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybrid_rl.batch import Rollout
+from hybrid_rl.batch import Rollout, TrainBatch
 
 
 class GenerationLog:
@@ -38,17 +38,21 @@ class GenerationLog:
         self.logger.log_text(step, f"generations/{kind}", text)
 
 
-def rollout_rows(rollout: Rollout, tokenizer: Any, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` samples of a scored rollout, decoded (tool output included, as the model saw it)."""
+def rollout_rows(rollout: Rollout, tokenizer: Any, n: int, batch: TrainBatch | None = None) -> list[dict[str, Any]]:
+    """The first ``n`` samples of a scored rollout, decoded (tool output included, as the model
+    saw it); with its ``batch`` after the advantages, also each sample's ``group`` (samples of one
+    prompt share it) and ``advantage`` (at its first response token: the sample's advantage for
+    the outcome estimators, the first token's for GAE and REINFORCE++)."""
     rows = []
-    for s in rollout.samples[:n]:
-        rows.append(
-            {
-                "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
-                "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                "score": s.score,
-                "ground_truth": str(s.ground_truth),
-                "data_source": s.data_source,
-            }
-        )
+    for i, s in enumerate(rollout.samples[:n]):
+        row = {
+            "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+            "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+            "score": s.score,
+            "ground_truth": str(s.ground_truth),
+            "data_source": s.data_source,
+        }
+        if batch is not None and batch.advantages is not None:
+            row.update(group=int(batch.group_ids[i]), advantage=float(batch.advantages[i, 0]), response_tokens=len(s.response_ids))
+        rows.append(row)
     return rows

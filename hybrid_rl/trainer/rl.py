@@ -114,8 +114,6 @@ class RLTrainer:
         m: dict[str, float] = {}
         with timer.phase("step"):
             rollout = self.collector.collect(self.step_idx, timer, m)
-            if self.generations.train_due(self.step_idx + 1):
-                self.generations.write("train", self.step_idx + 1, rollout_rows(rollout, self.tokenizer, self.generations.n))
             with timer.phase("switch_to_train"):
                 m.update(switch_metrics(self.switch.to_train()))
             m.update(self.train_on_batch(rollout, timer))
@@ -143,6 +141,8 @@ class RLTrainer:
             m.update(self.compute_logprobs(batch))
         with timer.phase("advantage"):
             m.update(self.compute_advantages(batch))
+        if self.generations.train_due(self.step_idx + 1):
+            self.generations.write("train", self.step_idx + 1, rollout_rows(rollout, self.tokenizer, self.generations.n, batch))
         with timer.phase("update"):
             maybe_fail("update", self.step_idx + 1, self.ctx.rank)
             m.update(self.update_policy(batch))
