@@ -35,7 +35,7 @@ from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.generations import GenerationLog, rollout_rows
 from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.run_control import RunControl
-from hybrid_rl.trainer.step_metrics import Throughput, reduce_metrics, switch_metrics
+from hybrid_rl.trainer.step_metrics import Throughput, explained_variance, reduce_metrics, switch_metrics
 from hybrid_rl.trainer.validation import evaluate, gains_by_source, paired_gain
 
 log = logging.getLogger("hybrid_rl")
@@ -227,6 +227,8 @@ class RLTrainer:
             "advantage/abs_mean": float(masked_mean(batch.advantages.abs(), batch.response_mask)),
             **_masked_extremes("critic/advantages", batch.advantages, batch.response_mask),
         }
+        if batch.values is not None:
+            m["critic/vf_explained_var"] = explained_variance(batch.returns, batch.values, batch.response_mask)
         if kl is not None:
             # The global token-weighted KL: every rank updates its controller from the same
             # number, so all ranks fold the same coefficient into their rows.

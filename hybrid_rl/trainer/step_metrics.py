@@ -98,3 +98,14 @@ class Throughput:
         shared = getattr(self.actor.module, "shared_prefix", False)
         train = self.flops.train_shared_prefix(prompt, response, groups) if shared else self.flops.train([x.text_len for x in s])
         return [train * self.epochs, self.flops.generate(prompt, response, groups)]
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """verl's ``critic/vf_explained_var``: :math:`1 - \\mathrm{Var}(R - V) / \\mathrm{Var}(R)` over
+    the response tokens (``[B, R]`` each), with the values the critic gave before its update.
+    1: the critic predicts the returns; 0: no better than their mean; below 0: worse."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return 0.0
+    return float(1.0 - (r - v).var() / r.var())

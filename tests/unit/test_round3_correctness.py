@@ -108,3 +108,18 @@ def test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length(ctx,
     out = collector.collect(0, PhaseTimer(), m)
     assert [s.score for s in samples[:4]] == [1.0, 1.0, 1.0, 0.75] and [s.acc for s in samples[:4]] == [1.0] * 4
     assert len(out.samples) == kept and m["dapo/kept_samples"] == kept
+
+
+def test_explained_variance_of_the_critic():
+    """verl's critic/vf_explained_var over the response tokens only: 1 for a critic that predicts
+    the returns, 0 for one that predicts their mean, below 0 for a worse one; padding is ignored."""
+    from hybrid_rl.trainer.step_metrics import explained_variance
+
+    returns = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, -7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(returns, torch.full_like(returns, 2.5), mask) == pytest.approx(0.0)
+    assert explained_variance(returns, -returns, mask) < 0
+    # Var(R - V) / Var(R) with R = [1, 2, 3, 4], V = [1, 2, 3, 3]: 1 - var([0, 0, 0, 1]) / var(R)
+    v = torch.tensor([[1.0, 2.0, 0.0], [3.0, 3.0, 0.0]])
+    assert explained_variance(returns, v, mask) == pytest.approx(1 - 0.25 / (5 / 3))
