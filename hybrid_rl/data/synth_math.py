@@ -19,7 +19,8 @@ index, level, and a worked ``solution`` used by the SFT warm start).
 
 Questions differ only in names, items and verbs, so a split by question text alone would put the
 same arithmetic in training and validation. The split is by *fact* instead: each step of a worked
-solution ("7 + 8 = 15") is held out or not by a seeded hash (``heldout_fraction`` of them), and
+solution ("7 + 8 = 15", one fact with "8 + 7 = 15") is held out or not by a seeded hash
+(``heldout_fraction`` of them), and
 
 - ``train`` (SFT, RL, and the preference pairs built from it) has no held-out fact in any step;
 - ``val`` (data source ``synth_math_heldout``) has a held-out fact in at least one step: a problem
@@ -41,7 +42,7 @@ DATA_SOURCE = "synth_math"
 HELDOUT_SOURCE = "synth_math_heldout"
 SEEN_SOURCE = "synth_math_seen"
 # Bump when the generator changes what it writes: cached splits and warm starts are keyed by it.
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 INSTRUCTION = "Put the final answer in \\boxed{}."
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jon", "Kim", "Leo"]
@@ -117,10 +118,19 @@ def facts(p: Problem) -> list[str]:
     return [step.strip() for step in p.solution.rstrip(".").split(". ")]
 
 
+def fact_key(fact: str) -> str:
+    """What a fact asks, whatever the order of a sum's or product's operands: "8 + 7 = 15" and
+    "7 + 8 = 15" are one fact (a model that learned one order answers the other)."""
+    a, op, b, _, c = fact.split(" ")
+    if op in "+*":
+        a, b = sorted((a, b), key=int)
+    return f"{a} {op} {b} = {c}"
+
+
 def is_held_out(fact: str, seed: int, fraction: float) -> bool:
-    """Whether ``fact`` belongs to the held-out share: a seeded hash, so the same fact is held out
-    at every level, in every split and on every machine."""
-    digest = hashlib.sha256(f"{seed}:{fact}".encode()).digest()
+    """Whether ``fact`` (in either order, :func:`fact_key`) belongs to the held-out share: a seeded
+    hash, so the same fact is held out at every level, in every split and on every machine."""
+    digest = hashlib.sha256(f"{seed}:{fact_key(fact)}".encode()).digest()
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 

@@ -56,24 +56,25 @@ def _worked_facts(row: dict) -> set[str]:
 
 
 def test_held_out_problems_share_no_worked_fact_with_training():
-    """The default splits: every held-out problem states an equation no training row's worked
-    solution states (the SFT target, the RL prompts and the preference pairs all come from the
+    """The default splits: every held-out problem states an equation that no training row's worked
+    solution states in either order (the SFT target, the RL prompts and the preference pairs all come from the
     train split), at every level; every in-distribution problem's equations are all in training,
     and its question is new. A split by question text alone fails the first check (61% of the
     held-out problems had a training twin)."""
     splits = synth_math.make_splits(20000, 1024, 256, seed=0, levels=[1, 2, 3, 4])
-    trained = set().union(*map(_worked_facts, splits["train"]))
+    trained = {synth_math.fact_key(f) for r in splits["train"] for f in _worked_facts(r)}
     questions = {r["prompt"][0]["content"] for r in splits["train"]}
     by_level: dict[int, int] = {}
     for r in splits["val"]:
-        assert not _worked_facts(r) <= trained, r["extra_info"]["solution"]
+        assert not {synth_math.fact_key(f) for f in _worked_facts(r)} <= trained, r["extra_info"]["solution"]
         assert r["data_source"] == synth_math.HELDOUT_SOURCE
         by_level[r["extra_info"]["level"]] = by_level.get(r["extra_info"]["level"], 0) + 1
     assert by_level == {1: 256, 2: 256, 3: 256, 4: 256}
     for r in splits["val_seen"]:
-        assert _worked_facts(r) <= trained and r["prompt"][0]["content"] not in questions
+        assert {synth_math.fact_key(f) for f in _worked_facts(r)} <= trained and r["prompt"][0]["content"] not in questions
         assert r["data_source"] == synth_math.SEEN_SOURCE
     assert len(splits["val_seen"]) == 256
+    assert synth_math.fact_key("8 + 7 = 15") == "7 + 8 = 15" and synth_math.fact_key("9 - 2 = 7") == "9 - 2 = 7"
 
 
 def test_direct_share_changes_only_the_tool_targets():
