@@ -99,6 +99,11 @@ def test_load_prompts_parquet_and_jsonl(tmp_path, tokenizer):
     recs, rep = load_prompts([paths["train"]], tokenizer, Cfg)
     assert len(recs) == 20 and rep.kept == 20
     assert recs[0].prompt_ids[-3:] == tokenizer.encode("<|im_start|>assistant\n")[-3:]
+    # a limit takes that many from the start of each file (data.val_size over the held-out and
+    # the in-distribution validation sets), not from the first file only
+    recs, rep = load_prompts([paths["val"], paths["val_seen"]], tokenizer, Cfg, limit=3)
+    assert [r.data_source for r in recs] == [synth_math.HELDOUT_SOURCE] * 3 + [synth_math.SEEN_SOURCE] * 3
+    assert rep.rows_per_file == {str(paths["val"]): 3, str(paths["val_seen"]): 3}
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}) + "\n")
 

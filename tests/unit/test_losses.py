@@ -183,6 +183,10 @@ def test_actor_loss_composes_pg_entropy_and_kl():
     expected = ((-1 - 0.2 + 0.25) + (-1 - 0.4 - 0.25)) / 2
     assert loss.item() == pytest.approx(expected)
     assert m["actor/entropy"].item() == pytest.approx(3.0)
+    # a reference whose k1 terms do not cancel: the KL term is weighted by kl_loss_coef (0.5)
+    mb = _batch(mask, torch.tensor([[1.0, 1.0]]), lp, ref=torch.tensor([[-1.5, -1.5]]))
+    loss, _ = make_actor_loss(cfg)(ModelOutputs(logprobs=lp, entropy=torch.tensor([[2.0, 4.0]])), mb)
+    assert loss.item() == pytest.approx(((-1 - 0.2) + (-1 - 0.4)) / 2 + 0.5 * 0.5)
 
 
 def test_clipped_value_loss_hand_computed():
