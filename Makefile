@@ -6,7 +6,7 @@ RECIPE ?= grpo_math
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slurm lint docs soak gpu-check gpu-wheels bench compare rlhf-mitigations clean
+.PHONY: setup demo test test-all test-slurm lint docs soak gpu-check gpu-wheels bench compare mutants rlhf-mitigations clean
 
 setup:
 	bash scripts/setup_env.sh $(VENV) dev
@@ -55,6 +55,13 @@ bench: setup
 # 2 cores, ~3.5 h for all eleven). Shorter: ARGS are not passed; run python -m benchmarks.compare_algorithms --steps 100 --recipes grpo_math,ppo_math.
 compare: setup
 	$(PY) -m benchmarks.compare_algorithms
+
+# Mutation run (long: roughly 30-40 min on 2 cores, so not in `make test`): each named one-line
+# break in benchmarks/mutants.py must make its tests fail; results/mutants.json and .png,
+# docs/reference/mutants.md. Exits 1 when a mutant survives (a missing test). ARGS are not passed; for
+# a few: python -m benchmarks.mutants --only NAME[,NAME] (--list prints the catalogue).
+mutants: setup
+	$(PY) -m benchmarks.mutants
 
 # RLHF-PPO over-optimisation and its mitigations (~35 min): results/rlhf_mitigations.json and .png.
 rlhf-mitigations: setup
