@@ -23,7 +23,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
     for key in keys:
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if not pts:
@@ -36,6 +36,8 @@ def plot(
     # the problems they count (val/n, val/n/<source>); per-level ones (val/accuracy_level2 ...)
     # stay in the JSONL to keep the figure readable.
     val_keys = sorted({k for r in rows for k in r if VAL_CURVE.match(k) and "_level" not in k})
+    if any(VAL_CURVE.match(k).group(2) for k in val_keys):  # per source: the pooled figure mixes the sets
+        val_keys = [k for k in val_keys if VAL_CURVE.match(k).group(2)]
     for key in val_keys:
         n_key = "val/n" + (VAL_CURVE.match(key).group(2) or "")
         pts = [(r["step"], r[key], r.get(n_key, r.get("val/n", 0.0))) for r in rows if key in r]
@@ -46,7 +48,7 @@ def plot(
     ax.set_ylabel("reward / accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
