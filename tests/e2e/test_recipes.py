@@ -19,6 +19,9 @@ FAST = [
     "actor.micro_batch_size=16",
     # a random-init model gets no math right; a length reward gives the groups some variance
     f"reward.functions=[{{name: custom, weight: 1.0, path: {LENGTH_REWARD}, function: score}}]",
+    # every training sample with its score, group and advantage (generations/train_step_XXXX.jsonl)
+    "logger.generations=100000",
+    "logger.generations_every=1",
 ]
 RECIPES = {
     "grpo_math": [],
@@ -68,6 +71,59 @@ def test_recipe_runs(tmp_path, recipe):
         assert "rollout/greedy_baseline_mean" in rows[0]
     if recipe == "agentic_math_tool":
         assert "agent/turns_mean" in rows[0]
+    if recipe in ADVANTAGES:  # the recipe's own estimator, recomputed from the logged scores
+        for step in (1, 2):
+            samples = [json.loads(x) for x in (tmp_path / "generations" / f"train_step_{step:04d}.jsonl").read_text().splitlines()]
+            got, want = [r["advantage"] for r in samples], ADVANTAGES[recipe](samples)
+            assert got == pytest.approx(want, rel=1e-3, abs=1e-4), (recipe, step)
+
+
+def _groups(rows: list[dict]) -> list[list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        out.setdefault(r["group"], []).append(i)
+    return list(out.values())
+
+
+def _by_group(rows: list[dict], fn) -> list[float]:
+    """``fn(scores of one group)`` -> that group's advantages, placed back in row order."""
+    adv = [0.0] * len(rows)
+    for idx in _groups(rows):
+        for i, a in zip(idx, fn([rows[i]["score"] for i in idx]), strict=True):
+            adv[i] = a
+    return adv
+
+
+def _grpo(s: list[float]) -> list[float]:
+    m = sum(s) / len(s)
+    sd = math.sqrt(sum((x - m) ** 2 for x in s) / (len(s) - 1)) if len(s) > 1 else 0.0
+    return [(x - m) / (sd + 1e-6) for x in s]
+
+
+def _centred(s: list[float], scale: float = 1.0) -> list[float]:
+    return [(x - sum(s) / len(s)) * scale for x in s]
+
+
+def _whitened_over_tokens(rows: list[dict], adv: list[float]) -> list[float]:
+    """masked_whiten of per-sample values broadcast over each response's tokens (unbiased variance)."""
+    n = [r["response_tokens"] for r in rows]
+    mean = sum(a * k for a, k in zip(adv, n, strict=True)) / sum(n)
+    var = sum(k * (a - mean) ** 2 for a, k in zip(adv, n, strict=True)) / (sum(n) - 1)
+    return [(a - mean) / math.sqrt(var + 1e-8) for a in adv]
+
+
+# Hand-written from each paper's formula (not the library's): a recipe wired to another estimator
+# (rloo mapped to grpo, drgrpo still dividing by the std, a batch baseline in place of a group
+# one) fails here even though it trains.
+ADVANTAGES = {
+    "grpo_math": lambda rows: _by_group(rows, _grpo),
+    "dapo_math": lambda rows: _by_group(rows, _grpo),
+    "gspo_math": lambda rows: _by_group(rows, _grpo),
+    "drgrpo_math": lambda rows: _by_group(rows, _centred),
+    "rloo_math": lambda rows: _by_group(rows, lambda s: _centred(s, len(s) / (len(s) - 1))),
+    "reinforce_math": lambda rows: [r["score"] - sum(x["score"] for x in rows) / len(rows) for r in rows],
+    "reinforce_pp_baseline_math": lambda rows: _whitened_over_tokens(rows, _by_group(rows, _centred)),
+}
 
 
 @pytest.mark.parametrize("recipe", ["grpo_math", "ppo_math", "agentic_math_tool"])

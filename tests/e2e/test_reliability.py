@@ -101,7 +101,8 @@ def test_prompt_longer_than_model_is_named(tmp_path):
 
 
 def test_a_dead_rank_ends_the_job(tmp_path):
-    """SIGKILL one rank mid-run: torchrun stops the others; the job exits non-zero, it does not hang."""
+    """SIGKILL one rank mid-run: the launcher sees it and stops the others; the job exits non-zero
+    within two minutes, it does not hang."""
     cmd = [
         sys.executable,
         "-m",
@@ -122,6 +123,9 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     assert pids, "no worker processes found"
     os.kill(max(pids), signal.SIGKILL)
     start = time.time()
-    proc.wait(timeout=240)
+    out, _ = proc.communicate(timeout=240)
     assert proc.returncode != 0
-    assert time.time() - start < 240
+    assert time.time() - start < 120
+    # the launcher saw the dead rank itself (tests/unit/test_launcher.py: it then stops a rank that
+    # would not notice within failure_grace_s)
+    assert "a rank exited with -9; stopping the others" in out, out[-3000:]

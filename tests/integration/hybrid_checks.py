@@ -4,8 +4,8 @@
 
 On every rank: an FSDP2 actor and an in-process vLLM engine on the tiny model. Checks, per
 dtype: log-prob parity after a sync on fixed sequences, that a training step changes vLLM's
-outputs (and they still match), that a sync after an aborted generate works, and RSS over many
-switches.
+outputs (and they still match), that the push resets the prefix cache, that a sync after an
+aborted generate and another step works, and RSS over many switches.
 """
 
 from __future__ import annotations
@@ -79,6 +79,13 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
     before = engine.prompt_logprobs(seqs)
     out["parity_max_abs_diff"] = all_reduce_max(max_diff(before, trainer_logprobs(actor, seqs)))
 
+    # A prompt over three 32-token blocks, generated twice: the second is served from the prefix cache.
+    long = seqs[0] + seqs[1]
+    for _ in range(2):
+        engine.generate([long], SamplingSpec(n=1, max_tokens=4, seed=3))
+    out["prefix_cached_warm"] = engine.last_stats.cached_prompt_tokens
+    out["prefix_full_blocks"] = len(long) // 32 * 32
+
     # 2. a training step changes vLLM's outputs, and they match the trainer's new log-probs
     switch.to_train()
     samples = [Sample(s[:-6], s[-6:], [0.0] * 6, [1] * 6, "stop", i) for i, s in enumerate(seqs)]
@@ -91,6 +98,12 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
     stale = engine.prompt_logprobs(seqs)
     out["stale_equals_before"] = max_diff(stale, before) == 0.0
     switch.to_rollout()
+    # The push reset the prefix cache (nothing has run since it): the long prompt is computed again with the new
+    # weights, so its sampled tokens' log-probs match the trainer's (stale cached KV would not)
+    fresh = engine.generate([long], SamplingSpec(n=1, max_tokens=4, seed=3))[0].completions[0]
+    out["prefix_cached_after_push"] = engine.last_stats.cached_prompt_tokens
+    mine = trainer_logprobs(actor, [long + list(fresh.token_ids)], prompt_len=len(long))
+    out["generated_parity_after_push"] = all_reduce_max(max_diff(mine, [list(fresh.logprobs)]))
     after = engine.prompt_logprobs(seqs)
     out["change_after_step"] = all_reduce_max(max_diff(after, before))
     out["parity_after_step"] = all_reduce_max(max_diff(after, trainer_logprobs(actor, seqs)))
@@ -103,11 +116,17 @@ def check_dtype(dtype: str, path: str, ctx, switches: int) -> dict:
         out["aborted_generate_raised"] = False
     except Exception as e:
         out["aborted_generate_raised"] = type(e).__name__
+    # ... with a training step between the abort and the next push, so a push that does nothing
+    # after an abort leaves the engine behind and fails the parity below
     switch.to_train()
+    actor.train_batch(batch, make_sft_loss())
+    switch.policy_updated()
     switch.to_rollout()
     res = engine.generate([seqs[1][:20]], SamplingSpec(n=2, max_tokens=8, seed=1))
     out["generate_after_abort_ok"] = len(res[0].completions) == 2
-    out["parity_after_abort"] = all_reduce_max(max_diff(engine.prompt_logprobs(seqs), trainer_logprobs(actor, seqs)))
+    after_abort = engine.prompt_logprobs(seqs)
+    out["change_after_abort_step"] = all_reduce_max(max_diff(after_abort, after))
+    out["parity_after_abort"] = all_reduce_max(max_diff(after_abort, trainer_logprobs(actor, seqs)))
 
     # 4. CUDA: to_train frees the KV cache and vLLM's weights (sleep mode), to_rollout takes them back
     if ctx.device.type == "cuda":

@@ -30,7 +30,11 @@ def test_default_model_loads_in_transformers_and_generates(tiny_path, tokenizer)
 
 
 def test_vllm_generates_groups_with_logprobs_and_prefix_sharing(vllm_engine, tokenizer):
-    prompts = [chat(tokenizer, f"Ben has {i} coins and {i} cards. Put the final answer in \\boxed{{}}.") for i in range(4)]
+    # prompts over two 32-token blocks, so the siblings have full blocks to share (a prompt shorter
+    # than one block is never cached, and prefix caching switched off would pass)
+    story = "Ben has {i} coins and {i} cards. Ann has 7 books and 3 pens. Dan finds 5 shells and 2 stamps. "
+    prompts = [chat(tokenizer, story.format(i=i) * 2 + "Put the final answer in \\boxed{}.") for i in range(4)]
+    assert all(len(p) >= 64 for p in prompts), [len(p) for p in prompts]
     res = vllm_engine.generate(prompts, SamplingSpec(n=8, max_tokens=16, temperature=1.0, seed=1))
     assert len(res) == 4 and all(len(r.completions) == 8 for r in res)
     c = res[0].completions[0]
@@ -40,7 +44,7 @@ def test_vllm_generates_groups_with_logprobs_and_prefix_sharing(vllm_engine, tok
     # 4 prompts x 8 samples; with n=8 the 7 siblings reuse the prompt's full 32-token blocks
     assert st.prompt_tokens == sum(len(p) for p in prompts) * 8
     full_blocks = sum(len(p) // 32 * 32 for p in prompts)
-    assert st.cached_prompt_tokens >= 7 * full_blocks
+    assert full_blocks >= 4 * 64 and st.cached_prompt_tokens >= 7 * full_blocks, (st.cached_prompt_tokens, full_blocks)
     assert st.generated_tokens == sum(len(x.token_ids) for r in res for x in r.completions)
 
 

@@ -49,10 +49,26 @@ def test_training_step_changes_vllm_outputs(report):
 
 
 def test_sync_after_aborted_generate(report):
+    """An aborted generate, then a training step and a push: the engine takes the new weights
+    (a push that does nothing after an abort leaves the change at 0 and the parity at its size)."""
     r = by_dtype(report, "float32")
     assert r["aborted_generate_raised"]
     assert r["generate_after_abort_ok"]
+    assert r["change_after_abort_step"] > 1e-3
     assert r["parity_after_abort"] < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_push_resets_the_prefix_cache(report, dtype):
+    """A prompt over three blocks, generated twice (the second from the prefix cache), then a
+    training step and a push: the prompt is computed again, so the sampled tokens' log-probs are
+    the new weights' (served from the stale cache they would be the old ones', off by the step's
+    change, > 1e-3)."""
+    r = by_dtype(report, dtype)
+    assert r["prefix_full_blocks"] >= 64 and r["prefix_cached_warm"] >= r["prefix_full_blocks"] - 32, r
+    assert r["prefix_cached_after_push"] == 0, r["prefix_cached_after_push"]
+    if dtype == "float32":
+        assert r["generated_parity_after_push"] < 1e-4
 
 
 def test_fifty_switches_leave_memory_flat(report):
@@ -61,7 +77,13 @@ def test_fifty_switches_leave_memory_flat(report):
         assert r["rss_growth_mib_after_warmup"] < 32, r["rss_mib"]
 
 
-def test_bf16_parity_is_reported(report):
+def test_bf16_parity_holds_after_a_training_step(report):
+    """bf16 engine weights against the trainer's bf16 compute: before any step both hold the
+    initial weights whatever the sync does, so the figure that matters is after a step and a sync,
+    which must be well under the step's own change (a skipped or wrong bf16 load is off by it)."""
     r = by_dtype(report, "bfloat16")
-    print(f"bf16 max |logprob diff| after sync: {r['parity_max_abs_diff']:.4f}")
+    print(f"bf16 max |logprob diff|: {r['parity_max_abs_diff']:.4f} after sync, {r['parity_after_step']:.4f} after a step "
+          f"(the step changed the engine by {r['change_after_step']:.4f})")  # fmt: skip
     assert r["parity_max_abs_diff"] < 0.5
+    assert r["change_after_step"] > 1e-2
+    assert r["parity_after_step"] < min(0.5, r["change_after_step"] / 4)
