@@ -84,6 +84,8 @@ def test_bf16_parity_holds_after_a_training_step(report):
     r = by_dtype(report, "bfloat16")
     print(f"bf16 max |logprob diff|: {r['parity_max_abs_diff']:.4f} after sync, {r['parity_after_step']:.4f} after a step "
           f"(the step changed the engine by {r['change_after_step']:.4f})")  # fmt: skip
-    assert r["parity_max_abs_diff"] < 0.5
-    assert r["change_after_step"] > 1e-2
-    assert r["parity_after_step"] < min(0.5, r["change_after_step"] / 4)
+    # measured 2026-12-03 (2 avx2-only cores): 0.0077 after the sync, 0.0079 after a step that
+    # moved the engine by 2.26
+    assert r["parity_max_abs_diff"] < 0.05
+    assert r["change_after_step"] > 0.1
+    assert r["parity_after_step"] < 0.05

@@ -60,13 +60,24 @@ def test_grpo_off_policy_update_with_clip_tis_and_kl_raises_the_reward(tmp_path)
     assert_learns(rows)
     assert [r["actor/optimizer_steps"] for r in rows] == [4.0] * len(rows)
     assert max(r["actor/pg_clipfrac"] for r in rows) > 0, [r["actor/pg_clipfrac"] for r in rows]
-    assert max(abs(r["actor/tis_weight_mean"] - 1.0) for r in rows) > 1e-4, [r["actor/tis_weight_mean"] for r in rows]
+    # the bf16 engine's log-probs differ from the trainer's by ~2e-3 per token (measured 1.4e-3 to
+    # 5.5e-3), so each token's TIS weight exp(old - rollout) is off 1; their mean nearly cancels
+    # (measured |mean - 1| up to 2.8e-4)
+    assert min(r["rollout/logprob_diff_mean"] for r in rows) > 5e-4, [r["rollout/logprob_diff_mean"] for r in rows]
+    assert max(abs(r["actor/tis_weight_mean"] - 1.0) for r in rows) > 2e-5, [r["actor/tis_weight_mean"] for r in rows]
     assert max(r["actor/kl_loss"] for r in rows[1:]) > 0, [r["actor/kl_loss"] for r in rows]
 
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):
+    """The critic learns and changes the advantages: its values start at 0 (a zero-initialised
+    head, so GAE begins as with no critic) and must rise with the reward (measured 0 -> 0.12
+    while the score went 0.009 -> 0.42 in 12 steps). Its explained variance stays near 0 at this
+    length (it learns the mean return, not each sample's), so that is logged, not asserted."""
     rows = train(tmp_path, "ppo_math", "critic.warmup_steps=2")
     assert all(r["critic/vf_loss"] > 0 for r in rows)
+    values = [r["critic/values"] for r in rows]
+    assert abs(values[0]) < 1e-3 and values[-1] > 0.05, values
+    assert all(r["critic/vf_explained_var"] == r["critic/vf_explained_var"] for r in rows)  # finite, logged
     assert_learns(rows, trained_from=3)
 
 
