@@ -1,7 +1,7 @@
 """Export a checkpoint's policy as a Hugging Face model folder, streaming tensors out of the
 distributed checkpoint (never a full fp32 copy of the model in memory)::
 
-    python -m hybrid_rl.export <checkpoint dir> <out dir> [--dtype bfloat16] [--shard-mb 2048]
+    python -m hybrid_rl.export <checkpoint dir> <out dir> [--dtype bfloat16] [--shard-mb 2048] [--adapter]
 
 Reads the checkpoint's metadata (names, shapes, dtypes), then loads the policy's tensors a shard at
 a time with ``torch.distributed.checkpoint`` (a partial load of just those keys, no process
@@ -40,9 +40,11 @@ def _buckets(names: list[str], sizes: dict[str, int], limit: int) -> list[list[s
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None, shard_mb: int = 2048,
-                      model_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
+                      model_dir: str | None = None, adapter_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """Write the policy of ``checkpoint`` to ``out_dir`` as an HF folder; returns what was written
-    (tensors, bytes, shards, peak RSS of this process)."""
+    (tensors, bytes, shards, peak RSS of this process). A LoRA run's checkpoint holds adapters
+    only: it is written merged into the base (``W + s B A``), or with ``adapter_only`` as a PEFT
+    adapter folder (:mod:`hybrid_rl.export_lora`)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -53,6 +55,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt}: the model folder it was made from ({src}) has no config.json; pass --model-dir")
     config = json.loads((src / "config.json").read_text())
+    from hybrid_rl.export_lora import export_lora, lora_settings
+
+    if lora_settings(manifest) is not None:
+        return export_lora(ckpt, out, src, manifest, dtype, shard_mb, adapter_only)
+    if adapter_only:
+        raise ValueError(f"{ckpt}: a full fine-tune's checkpoint has no adapter to export (drop --adapter)")
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata().state_dict_metadata
     names = sorted(k for k in meta if k.startswith(PREFIX))
@@ -73,14 +81,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
         weight_map.update(dict.fromkeys(tensors, file))
         del part, tensors
     total = sum(sizes.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    for f in src.iterdir():  # tokenizer, chat template, generation config: everything but weights
-        if f.is_file() and not f.name.endswith(WEIGHT_FILES) and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, out / f.name)
-    config["torch_dtype"] = dtype or str(meta[names[0]].properties.dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    write_index_and_files(out, src, config, weight_map, total, dtype or str(meta[names[0]].properties.dtype).removeprefix("torch."))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"tensors": len(names), "bytes": total, "shards": len(buckets), "peak_rss_bytes": peak, "step": manifest.get("step")}
+
+
+def write_index_and_files(out: Path, src: Path, config: dict, weight_map: dict[str, str], total: int, dtype: str) -> None:
+    """The shard index, ``config.json`` (with ``torch_dtype``) and every non-weight file of the
+    source model folder (tokenizer, chat template, generation config)."""
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_FILES) and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, out / f.name)
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast to this dtype (default: as saved, fp32)")
     ap.add_argument("--shard-mb", type=int, default=2048, help="safetensors shard size (MiB)")
     ap.add_argument("--model-dir", default=None, help="the model folder the run started from (default: from the manifest)")
+    ap.add_argument("--adapter", action="store_true", help="LoRA runs: write the PEFT adapter folder instead of the merged model")
     args = ap.parse_args(argv)
     if not (Path(args.checkpoint) / "manifest.json").is_file():
         print(f"error: {args.checkpoint!r} is not a finished checkpoint (no manifest.json)", file=sys.stderr)
         return 2
     try:
-        info = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.shard_mb, args.model_dir)
-    except FileNotFoundError as e:
+        info = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.shard_mb, args.model_dir, args.adapter)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"out_dir": args.out_dir, **info}))

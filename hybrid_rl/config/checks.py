@@ -27,7 +27,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
 
 def problems(cfg: Any, world_size: int = 1) -> list[str]:
     """Every cross-field problem of ``cfg`` for its ``trainer.task`` on ``world_size`` ranks."""
-    found = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward_model(cfg)
+    found = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward_model(cfg) + _lora(cfg)
     task = cfg.trainer.task
     if task == "rl":
         found += _rl_algorithm(cfg) + _rl_sampling(cfg) + _rl_batching(cfg, world_size)
@@ -38,6 +38,23 @@ def problems(cfg: Any, world_size: int = 1) -> list[str]:
     else:  # dpo, rm
         found += _preference(cfg, world_size)
     return found
+
+
+def _lora(cfg: Any) -> list[str]:
+    """LoRA trains the RL policy; its adapters reach the engine through vLLM's LoRA slots."""
+    lo = cfg.actor.lora
+    if lo.rank == 0:
+        return []
+    checks = [
+        (lo.rank < 0, f"actor.lora.rank={lo.rank} must be >= 0 (0 = full fine-tune)"),
+        (lo.rank > 512, f"actor.lora.rank={lo.rank} is above vLLM's largest LoRA rank 512"),
+        (lo.alpha <= 0, f"actor.lora.alpha={lo.alpha} must be > 0"),
+        (not 0 <= lo.dropout < 1, f"actor.lora.dropout={lo.dropout} must be in [0, 1)"),
+        (not lo.target_modules, "actor.lora.target_modules is empty: name the linear layers to adapt (e.g. q_proj, v_proj)"),
+        (cfg.trainer.task != "rl", f"actor.lora.rank={lo.rank}: LoRA trains the RL policy only (trainer.task={cfg.trainer.task})"),
+        (cfg.rollout.backend != "vllm", f"actor.lora.rank={lo.rank} needs rollout.backend=vllm (the {cfg.rollout.backend!r} backend has no adapters)"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
 
 
 def _divides(n: int, world_size: int, key: str) -> list[str]:

@@ -136,6 +136,30 @@ class RolloutConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy (PEFT's ``LoraConfig`` fields, Hu et al. 2021,
+    arXiv:2106.09685): each targeted linear layer computes ``W x + (alpha / rank) B A x``, with
+    ``A [rank, in]`` and ``B [out, rank]`` trained (fp32, with their AdamW state) and ``W`` frozen.
+    The reference policy is the same model with the adapters switched off; the rollout engine
+    keeps the base weights from start-up and receives only ``A`` and ``B`` at each switch."""
+
+    # 0 = full fine-tune. vLLM serves ranks up to 512 (the engine is sized to the next of
+    # 1, 8, 16, 32, 64, 128, 256, 320, 512).
+    rank: int = 0
+    # The adapters' scale is alpha / rank (PEFT's lora_alpha).
+    alpha: float = 32.0
+    # Dropout on the adapters' input while training (PEFT's lora_dropout; off for log-probs).
+    dropout: float = 0.0
+    # Module names (the last part of the name) of the linear layers that get adapters.
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # Hold the frozen base in the compute dtype (actor.param_dtype) instead of fp32 masters:
+    # half the base's memory under bf16; the adapters and their optimizer state stay fp32.
+    base_in_compute_dtype: bool = True
+
+
+@dataclass
 class ActorConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -182,3 +206,5 @@ class ActorConfig:
     grad_accumulation: GradAccumulation = GradAccumulation.sharded
     # AdamW kernel: fused (no shard-sized temporaries in the step) | foreach (torch's default).
     optimizer_impl: OptimizerImpl = OptimizerImpl.fused
+    # LoRA on the policy (actor.lora.rank > 0): only low-rank adapters train; see actor.lora.
+    lora: LoraConfig = field(default_factory=LoraConfig)

@@ -93,9 +93,11 @@ def use_shared_prefix(lm, actor_cfg, ctx: DistContext) -> bool:
 
 
 def build_policy_engine(
-    path: str, model_cfg, actor_cfg, ctx: DistContext, total_steps: int, trainable: bool = True
+    path: str, model_cfg, actor_cfg, ctx: DistContext, total_steps: int, trainable: bool = True, lora_seed: int | None = None
 ) -> FSDPEngine:
-    """The actor (``trainable``) or a frozen reference policy, from an HF folder."""
+    """The actor (``trainable``) or a frozen reference policy, from an HF folder. With
+    ``lora_seed`` (and ``actor.lora.rank > 0``) the actor trains LoRA adapters on a frozen base
+    (:mod:`hybrid_rl.engine.lora`)."""
     from hybrid_rl.engine.heads import PolicyModule
 
     # fp32 master weights always (bf16 masters with bf16 Adam state lose most small updates);
@@ -104,6 +106,14 @@ def build_policy_engine(
     lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code, sharded)
     if trainable and actor_cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    missing = None
+    if lora_seed is not None and actor_cfg.lora.rank > 0:
+        from hybrid_rl.engine import lora
+
+        compute = to_dtype(actor_cfg.param_dtype, ctx.device)
+        lm = lora.inject(lm, actor_cfg.lora, lora_seed, compute if actor_cfg.lora.base_in_compute_dtype else None)
+        missing = lora.missing_inits(lm, lora_seed)
+        missing = {"lm." + k: v for k, v in missing.items()}
     return FSDPEngine(
         PolicyModule(lm, actor_cfg.logprob_chunk, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx)),
         ctx,
@@ -112,7 +122,7 @@ def build_policy_engine(
         max_tokens_per_micro=actor_cfg.max_tokens_per_micro,
         param_dtype=to_dtype(actor_cfg.param_dtype, ctx.device),
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
-        load_shards=_shard_loader(path, lambda n: n.removeprefix("lm.")) if sharded else None,
+        load_shards=_shard_loader(path, lambda n: n.removeprefix("lm.").replace(".base_layer.", "."), missing) if sharded else None,
         grad_accumulation=actor_cfg.grad_accumulation,
     )
 

@@ -233,10 +233,11 @@ class FSDPEngine:
     def hf_name(self, name: str) -> str:
         for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
             name = name.replace(junk, "")
+        name = name.replace(".base_layer.", ".")  # a LoRA-adapted layer's frozen weight: the HF name
         return name[len(self.name_prefix) :] if name.startswith(self.name_prefix) else name
 
     def iter_full_params(
-        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None, transport: str = "auto"
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None, transport: str = "auto", trainable_only: bool = False
     ) -> Iterator[tuple[str, Tensor]]:
         """Stream ``(hf_name, full_tensor)`` pairs out of the shards, a flat bucket at a time.
 
@@ -244,13 +245,14 @@ class FSDPEngine:
         cast to ``dtype`` first (half the bytes on the wire for bf16); a bucket of about
         ``bucket_bytes`` goes in one all-gather (``collective``: gloo/NCCL, one bucket in flight
         ahead of the consumer) or through shared memory between the ranks of one host (``shm``);
-        ``auto`` picks shm on CPU when every rank is on this host. See :mod:`hybrid_rl.engine.gather`.
+        ``auto`` picks shm on CPU when every rank is on this host. ``trainable_only``: just the
+        parameters that train (LoRA adapters). See :mod:`hybrid_rl.engine.gather`.
         """
         from hybrid_rl.engine.gather import iter_full_params
 
         if transport == "auto":
             transport = self.auto_transport()
-        named = [(self.hf_name(n), p) for n, p in self.module.named_parameters()]
+        named = [(self.hf_name(n), p) for n, p in self.module.named_parameters() if p.requires_grad or not trainable_only]
         yield from iter_full_params(named, bucket_bytes, dtype, transport, self._sync_state)
 
     def auto_transport(self) -> str:
@@ -344,20 +346,29 @@ class FSDPEngine:
                 break
         return all_reduce_max(bad) == 0.0
 
+    def _sd_options(self):
+        """A trained engine with a frozen part (LoRA's base) checkpoints what trains: the frozen
+        weights come from the model folder again on resume (so loading is not strict about them;
+        :meth:`load_state_dicts` checks that nothing trainable is missing)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = self.optimizer is not None and any(not p.requires_grad for p in self.module.parameters())
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
     def state_dicts(self) -> tuple[dict, dict]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        return get_state_dict(self.module, self.optimizer if self.optimizer is not None else [])
+        return get_state_dict(self.module, self.optimizer if self.optimizer is not None else [], options=self._sd_options())
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(
-            self.module,
-            self.optimizer if self.optimizer is not None else [],
-            model_state_dict=model_sd,
-            optim_state_dict=optim_sd,
-        )
+        optimizers = self.optimizer if self.optimizer is not None else []
+        keys = set_state_dict(self.module, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self._sd_options())
+        trainable = {self.hf_name(n) for n, p in self.module.named_parameters() if p.requires_grad}
+        lost = sorted(n for n in getattr(keys, "missing_keys", []) if self.hf_name(n) in trainable)
+        if lost:
+            raise KeyError(f"the checkpoint lacks trained parameters: {', '.join(lost[:5])}")
 
     def export_hf(self, out_dir: str, tokenizer=None) -> None:
         """Write the full model as an HF folder (rank 0 writes; collective)."""

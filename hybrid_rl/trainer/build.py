@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the real types, without importing the engines when this mod
 
     from hybrid_rl.data.dataset import PromptRecord, PromptSampler
     from hybrid_rl.engine.fsdp import FSDPEngine
+    from hybrid_rl.engine.lora import AdapterOffReference
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rewards.pool import RewardPool
     from hybrid_rl.rollout.base import RolloutEngine
@@ -48,6 +49,8 @@ def recipe_cache_key(recipe_cfg: Any) -> str:
     """Hash of what determines a built model (model, data, actor, agent, preference, steps, seed)."""
     groups = ("model", "data", "actor") + (("preference",) if recipe_cfg.trainer.task in ("dpo", "rm") else ())
     parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in groups}
+    if parts["actor"].get("lora", {}).get("rank", 0) == 0:
+        parts["actor"].pop("lora", None)  # full fine-tune: the key of models built before LoRA existed
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
     parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
     if "builtin:synth_math" in [*recipe_cfg.data.train_files, *recipe_cfg.data.val_files]:
@@ -62,9 +65,21 @@ def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_
     from hybrid_rl.rollout.backends import build_backend
 
     r = cfg.rollout
+    lora = {"lora_rank": cfg.actor.lora.rank} if cfg.actor.lora.rank > 0 else {}  # backends without LoRA never see it
     return build_backend(
-        r.backend, model_path, r, r.dtype, seed + ctx.rank, ctx.device, max_model_len, cfg.model.trust_remote_code
+        r.backend, model_path, r, r.dtype, seed + ctx.rank, ctx.device, max_model_len, cfg.model.trust_remote_code, **lora
     )
+
+
+def build_reference(cfg: Any, ctx: DistContext, model_path: str, actor: FSDPEngine):
+    """The frozen reference policy for KL terms: a second engine from ``model_path``, or, with
+    LoRA, the actor itself with its adapters off (the base is the starting model)."""
+    from hybrid_rl.engine.builders import build_policy_engine
+    from hybrid_rl.engine.lora import AdapterOffReference
+
+    if cfg.actor.lora.rank > 0:
+        return AdapterOffReference(actor)
+    return build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False)
 
 
 def check_lengths(cfg: Any, model_path: str, extra: int = 0) -> int:
@@ -108,7 +123,7 @@ class RLParts:
     val_records: list[PromptRecord]
     sampler: PromptSampler
     actor: FSDPEngine  # the trainable policy
-    ref: FSDPEngine | None  # frozen reference policy, when a KL term needs it
+    ref: FSDPEngine | AdapterOffReference | None  # frozen reference policy, when a KL term needs it
     critic: FSDPEngine | None  # value model (critic.enable)
     rollout_engine: RolloutEngine
     switch: HybridSwitch
@@ -137,6 +152,7 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
     from hybrid_rl.engine.builders import build_policy_engine, build_reward_engine, build_value_engine
     from hybrid_rl.engine.fsdp import to_dtype
+    from hybrid_rl.engine.lora import adapter_config
     from hybrid_rl.hybrid.switch import HybridSwitch
     from hybrid_rl.rewards.pool import RewardPool
 
@@ -152,16 +168,16 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     if ctx.is_main:
         log.info(train_report.summary("data.train_files", d.max_prompt_length))
         log.info(val_report.summary("data.val_files", d.max_prompt_length))
-    actor = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
-    needs_ref = a.use_kl_loss or a.use_kl_in_reward
-    ref = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False) if needs_ref else None
+    lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
+    actor = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True, lora_seed=cfg.trainer.seed)
+    ref = build_reference(cfg, ctx, model_path, actor) if a.use_kl_loss or a.use_kl_in_reward else None
     critic = build_value_engine(model_path, cfg.model, cfg.critic, cfg.actor, ctx, steps) if cfg.critic.enable else None
     engine = build_rollout_engine(model_path, cfg, ctx, max_model_len(cfg, model_path), cfg.trainer.seed)
     r = cfg.rollout
     switch = HybridSwitch(
         actor, engine, sync_dtype=to_dtype(r.dtype), bucket_bytes=r.sync_bucket_mb << 20, sleep_level=r.sleep_level,
         device=ctx.device, offload_optimizer=cfg.actor.offload_optimizer, idle={"ref": ref, "critic": critic},
-        transport=r.sync_transport,
+        transport=r.sync_transport, adapter=adapter_config(lora, model_path) if lora is not None else None,
     )  # fmt: skip
     pool = RewardPool(cfg.reward)
     # Held-out accuracy is always the verifier's, whatever the training reward is.

@@ -68,6 +68,24 @@ def test_grpo_off_policy_update_with_clip_tis_and_kl_raises_the_reward(tmp_path)
     assert max(r["actor/kl_loss"] for r in rows[1:]) > 0, [r["actor/kl_loss"] for r in rows]
 
 
+def test_lora_grpo_raises_the_reward(tmp_path):
+    """LoRA (rank 16 on every linear layer of the blocks) on the real stack: only the adapters
+    train, each switch hands vLLM the adapters in memory, and a KL loss compares the policy with
+    the reference, which is the same model with its adapters off. It must learn, the KL must be
+    active (a reference that kept the adapters on would give 0), and each sync must move the
+    adapters only. Measured: 0.013 -> 0.233 in 12 steps (lr 2e-2; rank-16 adapters on the
+    random-init tiny model plateau near 0.24, where the full fine-tune reaches 0.68)."""
+    rows = train(tmp_path, "grpo_math_lora", "actor.lr=2e-2", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01")
+    rewards = [r["critic/score/mean"] for r in rows]
+    start, end = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
+    assert end > start + 0.15, f"reward did not rise: {[round(x, 3) for x in rewards]}"
+    assert max(r["actor/kl_loss"] for r in rows[1:]) > 0.1, [r["actor/kl_loss"] for r in rows]
+    moved = {r["switch/to_rollout/moved_mib/sync.tensors"] for r in rows}
+    assert len(moved) == 1 and 0 < moved.pop() < 2.0, moved  # rank-16 adapters of the tiny model: 1.19 MiB (the model: 13 MiB)
+    for r in rows:
+        assert r["advantage/abs_mean"] > 0 and r["actor/grad_norm"] > 0, r
+
+
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):
     """The critic learns and changes the advantages: its values start at 0 (a zero-initialised
     head, so GAE begins as with no critic) and must rise with the reward (measured 0 -> 0.12
