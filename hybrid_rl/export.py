@@ -58,7 +58,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     from hybrid_rl.export_lora import export_lora, lora_settings
 
     if lora_settings(manifest) is not None:
-        return export_lora(ckpt, out, src, manifest, dtype, shard_mb, adapter_only)
+        info = export_lora(ckpt, out, src, manifest, dtype, shard_mb, adapter_only)
+        if not adapter_only:
+            write_index_and_files(out, src, config, info.pop("weight_map"), info["bytes"], info.pop("dtype"))
+        return info
     if adapter_only:
         raise ValueError(f"{ckpt}: a full fine-tune's checkpoint has no adapter to export (drop --adapter)")
     reader = dcp.FileSystemReader(str(ckpt))

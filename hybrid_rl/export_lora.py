@@ -41,7 +41,8 @@ def read_adapters(ckpt: Path) -> dict[str, Any]:
 
 
 def export_lora(ckpt: Path, out: Path, src: Path, manifest: dict, dtype: str | None, shard_mb: int, adapter_only: bool) -> dict:
-    """Write the adapter folder or the merged model; returns what was written."""
+    """Write the adapter folder, or the merged model's shards (returning their ``weight_map``);
+    returns what was written."""
     from types import SimpleNamespace
 
     settings = SimpleNamespace(**lora_settings(manifest))
@@ -86,11 +87,10 @@ def _base_tensors(src: Path, adapters: dict, scale: float, target: Any):
 
 
 def _write_merged(out: Path, src: Path, adapters: dict, scale: float, dtype: str | None, shard_mb: int) -> dict:
-    """Merge and write shards of about ``shard_mb`` as they fill (peak: one shard and one base file's tensor)."""
+    """Merge and write shards of about ``shard_mb`` as they fill (peak: one shard and one base
+    file's tensor); returns what was written, with the ``weight_map`` for the index."""
     import torch
     from safetensors.torch import save_file
-
-    from hybrid_rl.export import write_index_and_files
 
     target = getattr(torch, dtype) if dtype else None
     parts: list[list[str]] = []
@@ -119,5 +119,6 @@ def _write_merged(out: Path, src: Path, adapters: dict, scale: float, dtype: str
         name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
         (out / f".part-{i + 1:05d}.safetensors").rename(out / name)
         weight_map.update(dict.fromkeys(keys, name))
-    write_index_and_files(out, src, json.loads((src / "config.json").read_text()), weight_map, total, saved_dtype or "float32")
-    return {"tensors": len(weight_map), "bytes": total, "shards": len(parts), "merged": n_merged}
+    # the caller writes the index, config.json and the tokenizer files (as for a full fine-tune)
+    return {"tensors": len(weight_map), "bytes": total, "shards": len(parts), "merged": n_merged,
+            "weight_map": weight_map, "dtype": saved_dtype or "float32"}  # fmt: skip

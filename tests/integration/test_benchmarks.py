@@ -56,6 +56,7 @@ SLOW = {
                "--name", "vs_trl"],
     "precision": ["--steps", "3", "--repeats", "1", "--gemm", "256", "--extra", "+overlay=ci_tiny", "model.preset=micro",
                   "algorithm.filter_groups=false"],
+    "lora": ["--presets", "micro", "--steps", "3", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--kv-cache-gib", "0.125"],
     "compare_algorithms": [
         "--steps",
         "1",
@@ -113,6 +114,10 @@ FIGURES: dict[str, Callable[[dict], list[Figure]]] = {
     "checkpoint_cost": lambda d: each(d, "rows", "save_median_s", "load_median_s", "write_mib_per_s"),
     "memory_scaling": lambda d: [*each(d, "rows", "peak_mib_max", "ratio_to_model"), *each(d, "tradeoffs", "peak_mib_max")],
     "real_size_grpo": lambda d: [*one(d, "steps_done", "median_step_s"), *each(d, "peak_rss_per_rank_mib")],
+    "lora": lambda d: [
+        *each(d, "rows", "to_rollout_median_s", "sync_median_s", "sync_mib", "step_median_s", "peak_rss_per_rank_mib"),
+        *each(d, "summary", "switch_speedup", "bytes_ratio"),
+    ],
     "preload": lambda d: each(d, "summary", "median_step_s", "median_update_s", "step_speedup_vs_none"),
     "vs_trl": lambda d: [*each(d, "median_step_s"), *each(d, "trl_over_hybrid")],
     "precision": lambda d: each(d, "summary", "median_step_s", "update_tflops_per_s", "step_speedup_vs_fp32"),

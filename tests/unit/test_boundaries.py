@@ -13,10 +13,10 @@ PKG = ROOT / "hybrid_rl"
 # Bottom to top. A module may import its own layer's modules or lower ones (never in a cycle:
 # the registry's self-filling import is the one allowed exception, inside algorithms/).
 LAYERS = [
-    {"errors", "batch", "timing", "faults", "env", "dist", "launch", "resume", "export"},
+    {"errors", "batch", "timing", "faults", "env", "dist", "launch", "resume"},
     {"rewards", "algorithms"},
     {"engine", "rollout"},
-    {"config", "data", "hybrid", "models"},
+    {"config", "data", "hybrid", "models", "export", "export_lora"},
     {"trainer"},
     {"tasks", "main", "plot"},
 ]

@@ -68,7 +68,7 @@ def test_a_truncated_sample_keeps_its_true_score_in_the_group_statistics():
 
 # ---------------------------------------------------------------- 5. stale-weight guard
 class _Weights:
-    def iter_full_params(self, bucket_bytes=0, dtype=None, transport="auto"):
+    def iter_full_params(self, bucket_bytes=0, dtype=None, transport="auto", trainable_only=False):
         yield "w", torch.zeros(1)
 
     def offload_optimizer(self):

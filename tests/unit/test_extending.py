@@ -94,7 +94,8 @@ def test_a_rollout_backend_is_a_module_and_a_name():
     try:
         backends.register_backend("recording", "my_backend:Recording")
         cfg = SimpleNamespace(
-            rollout=SimpleNamespace(backend="recording", dtype="float32"), model=SimpleNamespace(trust_remote_code=False)
+            rollout=SimpleNamespace(backend="recording", dtype="float32"), model=SimpleNamespace(trust_remote_code=False),
+            actor=SimpleNamespace(lora=SimpleNamespace(rank=0)),
         )
         engine = build_rollout_engine("/m", cfg, SimpleNamespace(rank=1, device="cpu"), 256, seed=10)
         assert isinstance(engine, Recording) and engine.args == ("/m", "float32", 11, 256)
