@@ -102,7 +102,11 @@ def plot(rows: list[dict], name: str, args: argparse.Namespace) -> None:
         xs = [j + (i - 0.5) * 0.38 for j in range(len(presets))]
         label = mode if mode == "full" else f"LoRA r={args.rank}"
         for ax, key in zip(axes, ("to_rollout_median_s", "sync_mib", "peak_rss_per_rank_mib"), strict=True):
-            ax.bar(xs, [(sel.get(p) or {}).get(key) or 0.0 for p in presets], width=0.38, label=label)
+            vals = [(sel.get(p) or {}).get(key) or 0.0 for p in presets]
+            ax.bar(xs, vals, width=0.38, label=label)
+            for x, p, v in zip(xs, presets, vals, strict=True):
+                if (sel.get(p) or {}).get("error"):  # e.g. the OOM killer: the figures are of the steps done
+                    ax.annotate(f"exit {sel[p]['returncode']}", (x, v), ha="center", va="bottom", fontsize=7, color="red")
     for ax, title in zip(axes, ("switch to rollout (s, median)", "bytes to vLLM per switch (MiB)", "peak RSS per rank (MiB)"), strict=True):
         ax.set_xticks(range(len(presets)), presets)
         ax.set_title(title)
