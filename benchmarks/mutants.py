@@ -100,6 +100,7 @@ T_R3 = "tests/unit/test_round3_correctness.py"
 T_ENG = "tests/integration/test_engines.py"
 T_DATA = "tests/unit/test_data.py"
 T_CKPT = "tests/unit/test_checkpoint.py"
+T_LORA = "tests/unit/test_lora_parts.py"
 
 CATALOGUE: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ advantages
@@ -271,8 +272,8 @@ CATALOGUE: tuple[Mutant, ...] = (
            (f"{T_CORR}::test_stale_weight_guard_fires_when_a_sync_is_skipped_or_fails",),
            "the version counter check compares the engine's version with itself: a skipped sync goes unnoticed"),
     Mutant("weight_sync_skipped", "switch", "hybrid_rl/hybrid/switch.py",
-           "self.rollout.load_weights(self.trainer.iter_full_params(self.bucket_bytes, self.sync_dtype, self.transport))",
-           "pass",
+           'moved["sync.tensors"] = self._push()',
+           'moved["sync.tensors"] = 0',
            (f"{T_ENG}::test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync[1.0--1-1.0]",),
            "the weight push is dropped but the engine is still stamped with the new version: stale rollouts pass the guard"),
     Mutant("prefix_cache_not_reset", "switch", "hybrid_rl/hybrid/switch.py",
@@ -280,6 +281,23 @@ CATALOGUE: tuple[Mutant, ...] = (
            "pass",
            ("tests/integration/test_hybrid.py::test_weight_push_resets_the_prefix_cache[float32]",),
            "the prefix cache survives a weight push: cached prompt KV from the old weights is reused"),
+    # ------------------------------------------------------------------ LoRA
+    Mutant("lora_reference_keeps_adapters", "lora", "hybrid_rl/engine/lora.py",
+           "m._disable_adapters = True", "m._disable_adapters = False",
+           (f"{T_LORA}::test_adapters_off_is_the_base_and_merge_is_peft_forward",),
+           "the KL reference of a LoRA run keeps the adapters on: it is the policy itself and the KL is 0"),
+    Mutant("lora_base_trains", "lora", "hybrid_rl/engine/lora.py",
+           "p.requires_grad_(trainable)", "p.requires_grad_(True)",
+           (f"{T_LORA}::test_only_adapters_train_and_the_model_starts_as_the_base",),
+           "LoRA leaves the base trainable: a full fine-tune under the adapters, whose base updates never reach the engine"),
+    Mutant("lora_merge_without_scale", "lora", "hybrid_rl/engine/lora.py",
+           "scale * (b.float() @ a.float())", "(b.float() @ a.float())",
+           (f"{T_LORA}::test_adapters_off_is_the_base_and_merge_is_peft_forward",),
+           "the merged export adds B A without alpha / rank: the exported model is not the trained one"),
+    Mutant("lora_push_keeps_old_adapter", "lora", "hybrid_rl/rollout/vllm_engine.py",
+           "    slots.remove_adapter(lora_id)\n    slots.add_adapter(lora)", "    slots.add_adapter(lora)",
+           ("tests/integration/test_lora_sync.py::test_engine_log_probs_with_the_in_memory_adapter_equal_the_trainers",),
+           "the engine keeps the adapter it already holds under the slot's id: every push after the first is dropped"),
     # ------------------------------------------------------------------ rollout
     Mutant("tool_tokens_trained", "rollout", "hybrid_rl/rollout/agent.py",
            "traj.mask += [0] * len(ids)",
