@@ -79,11 +79,10 @@ def _base_tensors(src: Path, adapters: dict, scale: float, target: Any):
                 t = f.get_tensor(key)
                 stem = key.removesuffix(".weight")
                 a, b = adapters.get(f"{stem}.lora_A.{ADAPTER}.weight"), adapters.get(f"{stem}.lora_B.{ADAPTER}.weight")
-                if a is not None and b is not None:
+                adapted = a is not None and b is not None
+                if adapted:
                     t = merged(t, a, b, scale)
-                    yield key, (t.to(target) if target is not None else t).contiguous(), True
-                else:
-                    yield key, (t.to(target) if target is not None else t).contiguous(), False
+                yield key, (t.to(target) if target is not None else t).contiguous(), adapted
 
 
 def _write_merged(out: Path, src: Path, adapters: dict, scale: float, dtype: str | None, shard_mb: int) -> dict:

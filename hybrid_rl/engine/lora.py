@@ -86,16 +86,12 @@ def inject(lm: nn.Module, lora: Any, seed: int, base_dtype: torch.dtype | None) 
             lm = inject_adapter_in_model(config, lm, adapter_name=ADAPTER)
         except ValueError as e:  # PEFT's NoMatchingPeftModuleError, named after our key
             raise ValueError(f"actor.lora.target_modules={list(lora.target_modules)} matched no linear layer of the model ({e})") from e
-    adapters = 0
     for name, p in lm.named_parameters():
         trainable = is_lora(name)
-        adapters += trainable
         p.requires_grad_(trainable)
         want = torch.float32 if trainable else (base_dtype or p.dtype)
         if p.dtype != want:
             p.data = p.data.to(want)
-    if adapters == 0:
-        raise ValueError(f"actor.lora.target_modules={list(lora.target_modules)} matched no linear layer of the model")
     return lm
 
 

@@ -180,7 +180,6 @@ class VLLMRollout:
         self.last_stats = GenerateStats()
         # The policy's adapter (LoRA runs), set by the first load_adapter: every request uses it.
         self.lora_request: LoRARequest | None = None
-        self.adapter_version = 0
 
     @property
     def tokenizer(self):
@@ -293,13 +292,12 @@ class VLLMRollout:
         vLLM loads adapters from a folder (``LoRARequest.lora_path``); here the worker builds the
         ``LoRAModel`` from tensors with vLLM's own ``from_lora_tensors`` and puts it in the adapter
         slot under one fixed id, replacing the previous version in place (:func:`_put_adapter`).
-        Requests then name that id; ``lora_path`` is never read. ``version`` is recorded only."""
+        Requests then name that id; ``lora_path`` is never read (it carries ``version`` for logs)."""
         from hybrid_rl.engine.lora import peft_name
 
         named = {peft_name(n): t for n, t in tensors}
         self.llm.collective_rpc(_put_adapter, args=(ADAPTER_ID, config, named))
         self.lora_request = LoRARequest("policy", ADAPTER_ID, lora_path=f"in-memory://policy/v{version}")
-        self.adapter_version = version
 
     def reset_prefix_cache(self) -> None:
         # reset_running_requests: an aborted generate may leave requests holding blocks.

@@ -174,12 +174,18 @@ def main() -> None:
     barrier()
     path = str(tiny_model_path(args.preset))
     report = {"world_size": ctx.world_size, "results": [check_dtype(d, path, ctx, args.switches) for d in args.dtypes.split(",")]}
+    write_report_and_exit(report, args.out, ctx)
+
+
+def write_report_and_exit(report: dict, out: str, ctx) -> None:
+    """Rank 0 writes the report; every rank leaves without interpreter teardown (vLLM's atexit
+    shutdown tears down the process group mid-exit)."""
     if ctx.rank == 0:
-        with open(args.out, "w") as fh:
+        with open(out, "w") as fh:
             json.dump(report, fh, indent=1)
     barrier()
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: vLLM's atexit shutdown tears down the process group mid-exit
+    os._exit(0)
 
 
 if __name__ == "__main__":

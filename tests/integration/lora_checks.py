@@ -10,12 +10,9 @@ sync is caught by the version guard."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
 import torch
-from hybrid_checks import KEEP_ALIVE, fixed_sequences, max_diff, trainer_logprobs
+from hybrid_checks import KEEP_ALIVE, fixed_sequences, max_diff, trainer_logprobs, write_report_and_exit
 from torch.distributed.tensor import DTensor
 
 from hybrid_rl.algorithms.losses import agg_weights, make_sft_loss
@@ -108,13 +105,7 @@ def main() -> None:
     if ctx.rank == 0:
         tiny_model_path("tiny")
     barrier()
-    report = {"world_size": ctx.world_size, **run(str(tiny_model_path("tiny")), ctx, args.rank)}
-    if ctx.rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=1)
-    barrier()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: vLLM's atexit shutdown tears down the process group mid-exit
+    write_report_and_exit({"world_size": ctx.world_size, **run(str(tiny_model_path("tiny")), ctx, args.rank)}, args.out, ctx)
 
 
 if __name__ == "__main__":
