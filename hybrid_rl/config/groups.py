@@ -206,5 +206,10 @@ class ActorConfig:
     grad_accumulation: GradAccumulation = GradAccumulation.sharded
     # AdamW kernel: fused (no shard-sized temporaries in the step) | foreach (torch's default).
     optimizer_impl: OptimizerImpl = OptimizerImpl.fused
+    # FSDP2 in training: free each layer's gathered weights after its forward (true) or keep them
+    # for its backward (false: one all-gather per layer and micro-batch instead of two, for the
+    # full compute-dtype model held on every rank through the backward). Measured on 2 CPU cores
+    # (gloo): the 101M preset's update 17.1 s -> 15.8 s; the tiny default job unchanged.
+    reshard_after_forward: bool = True
     # LoRA on the policy (actor.lora.rank > 0): only low-rank adapters train; see actor.lora.
     lora: LoraConfig = field(default_factory=LoraConfig)

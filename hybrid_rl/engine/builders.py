@@ -124,6 +124,7 @@ def build_policy_engine(
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
         load_shards=_shard_loader(path, lambda n: n.removeprefix("lm.").replace(".base_layer.", "."), missing) if sharded else None,
         grad_accumulation=actor_cfg.grad_accumulation,
+        reshard_after_forward=actor_cfg.reshard_after_forward,
     )
 
 
@@ -157,6 +158,7 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
         name_prefix="body.",
         load_shards=_shard_loader(path, lambda n: "model." + n.removeprefix("body."), zeros) if sharded else None,
         grad_accumulation=actor_cfg.grad_accumulation,
+        reshard_after_forward=actor_cfg.reshard_after_forward,
     )
 
 
@@ -197,4 +199,5 @@ def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int,
         name_prefix="rm.",
         load_shards=_shard_loader(path, lambda n: n.removeprefix("rm."), fresh) if sharded else None,
         grad_accumulation=a.grad_accumulation,
+        reshard_after_forward=a.reshard_after_forward,
     )

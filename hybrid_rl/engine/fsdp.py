@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
@@ -98,11 +99,12 @@ class FSDPEngine:
         name_prefix: str = "lm.",
         load_shards: Callable[[nn.Module], dict[str, int]] | None = None,
         grad_accumulation: str = "sharded",
+        reshard_after_forward: bool = True,
     ) -> None:
         if grad_accumulation not in ("sharded", "unsharded"):
             raise ValueError(f"actor.grad_accumulation must be 'sharded' or 'unsharded', got {grad_accumulation!r}")
         self.ctx = ctx
-        self.grad_accumulation = grad_accumulation
+        self.grad_accumulation, self.reshard_after_forward = grad_accumulation, reshard_after_forward
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro = max_tokens_per_micro
         self.name_prefix = name_prefix
@@ -184,6 +186,9 @@ class FSDPEngine:
         assert self.optimizer is not None, "engine was built without an optimizer"
         self.module.train()
         mbs = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro)
+        keep = not self.reshard_after_forward  # kept for the backward, which reshards each layer
+        if keep:
+            self.module.set_reshard_after_forward(False)
         sums: dict[str, float] = {}
         total_loss, total_weight = 0.0, 0.0
         for i, mb in enumerate(mbs):
@@ -192,19 +197,24 @@ class FSDPEngine:
             # unsharded: skip the reduce-scatter until the last micro-batch; every rank keeps the
             # full, unsharded gradient for the whole accumulation (fewer collectives, N x memory).
             self.module.set_requires_gradient_sync(self.grad_accumulation == "sharded" or i == len(mbs) - 1)
-            out = self._forward(mb, temperature)
-            loss, metrics = loss_fn(out, mb.to(self.ctx.device))
-            (loss * self.ctx.world_size).backward()
+            with record_function("hybrid_rl/forward"):  # phase labels for torch.profiler traces
+                out = self._forward(mb, temperature)
+                loss, metrics = loss_fn(out, mb.to(self.ctx.device))
+            with record_function("hybrid_rl/backward"):
+                (loss * self.ctx.world_size).backward()
             total_loss += float(loss.detach())
             w = float(mb.response_mask.sum()) if metric_weight == "tokens" else float(mb.size)
             total_weight += w
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + w * float(v.detach() if isinstance(v, torch.Tensor) else v)
+        if keep:  # no-grad passes (old log-probs, validation) have no backward to free what they gather
+            self.module.set_reshard_after_forward(True)
         keys = sorted(sums)
         *values, total_weight, total_loss = all_reduce_sum([sums[k] for k in keys] + [total_weight, total_loss])
         metrics = {k: v / max(total_weight, 1e-12) for k, v in zip(keys, values, strict=True)}
         metrics["actor/loss"] = total_loss
-        metrics.update(self._optimizer_step(math.isfinite(total_loss)))
+        with record_function("hybrid_rl/optimizer"):
+            metrics.update(self._optimizer_step(math.isfinite(total_loss)))
         metrics["actor/micro_batches"] = float(len(mbs))
         return metrics
 
@@ -268,11 +278,7 @@ class FSDPEngine:
 
     def param_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the full (unsharded) parameters, at ``dtype`` if given."""
-        total = 0
-        for p in self.module.parameters():
-            size = dtype.itemsize if dtype is not None else p.element_size()
-            total += p.numel() * size
-        return total
+        return sum(p.numel() * (dtype.itemsize if dtype is not None else p.element_size()) for p in self.module.parameters())
 
     # ---------------------------------------------------------------- memory modes
     def offload_optimizer(self) -> int:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from hybrid_rl.batch import ModelOutputs
@@ -66,6 +67,11 @@ OUTSIDE_LOGPROB = -1.0e4
 def _chunk_logprobs_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor, Tensor]:
+    with record_function("hybrid_rl/logprob_head"):  # a torch.profiler label (forward and its recompute)
+        return _chunk_body(hidden, weight, targets, temperature, top_k, top_p)
+
+
+def _chunk_body(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, Tensor, Tensor]:
     logits = F.linear(hidden, weight).float()
     if temperature != 1.0:
         logits = logits / temperature

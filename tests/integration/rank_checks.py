@@ -21,6 +21,7 @@ from hybrid_rl.env import setup_process_env
 setup_process_env(threads_per_rank=1)
 
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from hybrid_rl.algorithms.kl import make_kl_controller  # noqa: E402
 from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss  # noqa: E402
@@ -56,12 +57,15 @@ def group_batch():
 
 
 def gradients(
-    ctx, path: str, mode: str, accumulation: str = "sharded", shared_prefix: bool = False, samples=None, micro: int = 2
+    ctx, path: str, mode: str, accumulation: str = "sharded", shared_prefix: bool = False, samples=None, micro: int = 2,
+    reshard: bool = True,
 ) -> dict[str, list[float]]:
     """The gradient the engine's own ``train_batch`` (micro-batching, accumulation, rank scaling)
-    hands the optimizer, gathered from the shards; no clipping so nothing rescales it."""
+    hands the optimizer, gathered from the shards; no clipping so nothing rescales it. With
+    ``reshard=False`` (``actor.reshard_after_forward``) also ``"_sharded_after_no_grad_pass"``:
+    1.0 when every parameter is back to its shard after a no-grad forward that followed the update."""
     ac = ActorConfig(micro_batch_size=micro, grad_clip=0.0, packing=False, grad_accumulation=accumulation, param_dtype=None,
-                     shared_prefix=shared_prefix)  # fmt: skip
+                     shared_prefix=shared_prefix, reshard_after_forward=reshard)  # fmt: skip
     actor = build_policy_engine(path, ModelConfig(attn_implementation="sdpa"), ac, ctx, 10)
     samples = samples or fixed_batch()
     per = len(samples) // ctx.world_size
@@ -81,6 +85,9 @@ def gradients(
 
     actor.optimizer.step = capture_then_step
     actor.train_batch(batch, make_actor_loss(AlgorithmConfig(loss_agg_mode=mode)))
+    if not reshard:
+        actor.forward_outputs(batch)
+        out["_sharded_after_no_grad_pass"] = [float(all(isinstance(p, DTensor) for p in actor.module.parameters()))]
     return out
 
 
@@ -174,6 +181,7 @@ def main() -> None:
     path = str(tiny_model_path("micro"))
     report = {"world_size": ctx.world_size, "grads": {m: gradients(ctx, path, m) for m in LOSS_AGG_MODES}}
     report["grads_unsharded_accumulation"] = gradients(ctx, path, "token-mean", "unsharded")
+    report["grads_kept_after_forward"] = gradients(ctx, path, "token-mean", reshard=False)
     # Shared-prefix forward under FSDP2 (the body runs twice per micro-batch) vs the plain one.
     groups = group_batch()
     report["grads_groups_plain"] = gradients(ctx, path, "token-mean", samples=groups, micro=4)

@@ -48,6 +48,8 @@ CASES = {
     "sandbox_latency": ["--runs", "4", "--concurrency", "1,2"],
     "checkpoint_cost": ["--presets", "micro", "--repeats", "1"],
     "memory_scaling": ["--preset", "micro", "--worlds", "1,2", "--steps", "1"],
+    "profile_update": ["--preset", "micro", "--prompts", "2", "--group", "2", "--new-tokens", "20", "--repeats", "1", "--levers", "reshard",
+                       "--name", "profile_update"],
 }
 SLOW = {
     "real_size_grpo": ["--preset", "micro", "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--name", "real_size_grpo"],
@@ -117,6 +119,10 @@ FIGURES: dict[str, Callable[[dict], list[Figure]]] = {
     "lora": lambda d: [
         *each(d, "rows", "to_rollout_median_s", "sync_median_s", "sync_mib", "step_median_s", "peak_rss_per_rank_mib"),
         *each(d, "summary", "switch_speedup", "bytes_ratio"),
+    ],
+    "profile_update": lambda d: [
+        *one(d, "result.median_update_s", "result.update_tflops_per_s", "result.gemm_peak_tflops", "result.mfu", "result.buckets_s.gemm"),
+        *each(d, "result.levers", "median_s", "speedup"),
     ],
     "preload": lambda d: each(d, "summary", "median_step_s", "median_update_s", "step_speedup_vs_none"),
     "vs_trl": lambda d: [*each(d, "median_step_s"), *each(d, "trl_over_hybrid")],

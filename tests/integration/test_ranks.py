@@ -63,6 +63,17 @@ def test_sharded_and_unsharded_gradient_accumulation_agree(reports):
         assert max(abs(x - y) for k in a for x, y in zip(a[k], b[k], strict=True)) < 1e-6
 
 
+def test_keeping_gathered_weights_for_the_backward_gives_the_same_gradient(reports):
+    """actor.reshard_after_forward=false (one all-gather per layer and micro-batch instead of
+    two): the same gradient over 4 micro-batches per rank, and a no-grad forward after the update
+    leaves every parameter sharded (it has no backward to free what it gathers)."""
+    for rep in reports:
+        a, b = rep["grads"]["token-mean"], dict(rep["grads_kept_after_forward"])
+        assert b.pop("_sharded_after_no_grad_pass") == [1.0]
+        assert a.keys() == b.keys()
+        assert max(abs(x - y) for k in a for x, y in zip(a[k], b[k], strict=True)) < 1e-6
+
+
 def test_sharded_init_reads_the_checkpoint(reports):
     """Meta-device build + per-rank rows from safetensors: every parameter of the policy, the
     critic and the reward model equals the file (and the old full-load path); on 2 ranks each

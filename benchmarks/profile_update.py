@@ -1,0 +1,311 @@
+"""Benchmark: where one GRPO update's time goes, and what the levers on it buy.
+
+    python -m benchmarks.profile_update [--preset base] [--ranks 2] [--prompts 8] [--group 8]
+                                        [--new-tokens 64] [--dtype auto] [--levers micro,adamw,compile]
+
+Under real torchrun ranks (gloo, one thread each, as the trainer runs them) each rank builds the
+actor of ``+recipe=grpo_math`` on the ``--preset`` model (the default recipe's settings: packing,
+shared prefix, fused AdamW, ``micro_batch_size`` 64) and runs the trainer's own update
+(``FSDPEngine.train_batch`` with the recipe's GRPO loss) on a GRPO-shaped batch: ``--prompts``
+prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens, advantages of
++-1, the rows split over the ranks. This is the work of the update phase of one step of
+``benchmarks/vs_trl.py`` at the same sizes.
+
+1. Timing: the median of ``--repeats`` updates after a warm-up.
+2. Profile: one update under ``torch.profiler`` on rank 0. Every op's self time is put in one
+   bucket, the first that matches: the optimizer (clip + AdamW, ``hybrid_rl/optimizer``),
+   collectives (FSDP2's all-gather / reduce-scatter and their waits, gloo), the log-prob head
+   (``hybrid_rl/logprob_head``: the LM head's matmul, log-softmax and entropy, forward and its
+   recompute in backward), attention (SDPA and its backward), GEMMs (mm / addmm / bmm, forward
+   and backward), dtype casts and copies, other tensor ops; what is left of the wall time is
+   Python and framework overhead. Shares of the update's wall time.
+3. MFU: the update's model FLOPs (``hybrid_rl/engine/flops.py``, the trainer's count) per second
+   against the GEMM peak of the compute dtype on the same cores, measured in the same run (a
+   2048^3 matmul on all cores), and the GEMMs' own rate (their FLOPs over the time the profile
+   puts in GEMM buckets).
+4. Levers (``--levers``), each a full re-measurement: micro-batch sizes, packing and the shared
+   prefix off (what they already save), ``actor.reshard_after_forward=false``, foreach vs fused
+   AdamW, ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
+   every repeat, so no recompilation is counted).
+
+Writes results/profile_update_<preset>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import figure, machine_info, save_figure, write_json
+
+HERE = Path(__file__).resolve().parent
+BUCKETS = ("optimizer", "collectives", "logprob_head", "attention", "gemm", "casts", "other ops", "python/framework")
+_GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::_addmm_activation"}
+_CAST = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from", "aten::clone", "aten::contiguous"}
+
+
+def bucket_of(name: str, ancestors: list[str]) -> str:
+    """The bucket of an op event from its name and its enclosing ranges (innermost first)."""
+    if any(a.startswith(("hybrid_rl/optimizer", "Optimizer.")) for a in ancestors):
+        return "optimizer"
+    low = name.lower()
+    if any(k in low for k in ("gloo", "c10d", "all_gather", "allgather", "reduce_scatter", "allreduce", "wait_tensor")) or any(
+        "FSDP::all_gather" in a or "FSDP::post_backward_reduce" in a or "c10d" in a for a in ancestors
+    ):
+        return "collectives"
+    if any(a.startswith("hybrid_rl/logprob_head") for a in ancestors):
+        return "logprob_head"
+    if "scaled_dot_product" in low or "flash_attention" in low or any("ScaledDotProduct" in a or "Flash" in a for a in ancestors[:2]):
+        return "attention"
+    if name in _GEMM:
+        return "gemm"
+    if name in _CAST:
+        return "casts"
+    return "other ops"
+
+
+def profile_buckets(prof, wall_s: float) -> dict[str, float]:
+    """Seconds per bucket: each op's self CPU time on the profiled (main) thread."""
+    out = dict.fromkeys(BUCKETS, 0.0)
+    events = prof.profiler.function_events
+    main_tid = max({e.thread for e in events}, key=lambda t: sum(e.self_cpu_time_total for e in events if e.thread == t))
+    for e in events:
+        if e.thread != main_tid or e.self_cpu_time_total <= 0:
+            continue
+        ancestors, p = [], e.cpu_parent
+        while p is not None:
+            ancestors.append(p.name)
+            p = p.cpu_parent
+        name = e.name
+        if name.startswith(("hybrid_rl/", "FSDP::", "autograd::", "Optimizer.", "## ")):
+            # a range's own time (outside the ops it encloses) is Python unless it is the
+            # optimizer's or a collective's
+            b = bucket_of(name, [name, *ancestors])
+            b = b if b in ("optimizer", "collectives") else "python/framework"
+        else:
+            b = bucket_of(name, ancestors)
+        out[b] += e.self_cpu_time_total / 1e6
+    out["python/framework"] += max(wall_s - sum(out.values()), 0.0)
+    return out
+
+
+def make_batch(args, rank: int, world: int, pad_id: int, vocab: int):
+    from hybrid_rl.batch import Sample, collate
+
+    rng = random.Random(0)
+    samples = []
+    for g in range(args.prompts):
+        prompt = [rng.randrange(8, vocab) for _ in range(rng.randint(30, 50))]
+        for _ in range(args.group):
+            r = [rng.randrange(8, vocab) for _ in range(rng.randint(16, args.new_tokens))]
+            samples.append(Sample(prompt, r, [0.0] * len(r), [1] * len(r), "stop", g))
+    mine = samples[rank::world] if args.prompts * args.group % world else samples[rank * len(samples) // world : (rank + 1) * len(samples) // world]
+    batch = collate(mine, pad_id)
+    import torch
+
+    sign = torch.tensor([1.0 if (i % 2) else -1.0 for i in range(batch.size)])[:, None]
+    batch.advantages = sign * batch.response_mask
+    return batch, samples
+
+
+def worker(args: argparse.Namespace) -> None:
+    from hybrid_rl.env import setup_process_env
+
+    setup_process_env(threads_per_rank=max((os.cpu_count() or 1) // args.ranks, 1))
+    import torch
+    from omegaconf import OmegaConf
+
+    from benchmarks.precision import gemm_peak
+    from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss
+    from hybrid_rl.config import register_configs, resolve_precision
+    from hybrid_rl.config.compose import compose_recipe
+    from hybrid_rl.dist import all_reduce_sum, barrier, finish_rank, init_distributed
+    from hybrid_rl.engine.builders import build_policy_engine
+    from hybrid_rl.engine.flops import DecoderFlops
+    from hybrid_rl.models.tiny import tiny_model_path
+
+    ctx = init_distributed("cpu")
+    path = str(tiny_model_path(args.preset)) if ctx.rank == 0 else None
+    barrier()
+    path = str(tiny_model_path(args.preset))
+    register_configs()
+    cfg = compose_recipe("grpo_math", args.preset)
+    OmegaConf.set_struct(cfg, False)
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    for k, v in overrides.items():
+        OmegaConf.update(cfg, k, OmegaConf.create({"v": v})["v"] if v not in ("null", "None") else None)
+    if args.dtype != "auto":
+        cfg.actor.param_dtype = None if args.dtype == "float32" else args.dtype
+    resolve_precision(cfg, "cpu")  # auto: what the trainer would pick on this CPU
+    dtype = str(cfg.actor.param_dtype or "float32")
+    actor = build_policy_engine(path, cfg.model, cfg.actor, ctx, total_steps=100)
+    if args.compile:
+        for layer in actor.module.decoder_layers():
+            layer.compile()
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path)
+    batch, samples = make_batch(args, ctx.rank, ctx.world_size, 0, hf.vocab_size)
+    n_tok, n_seq = all_reduce_sum([float(batch.response_mask.sum()), float(batch.size)])
+    batch.loss_weights = agg_weights(batch.response_mask, cfg.algorithm.loss_agg_mode, n_tok, n_seq, args.new_tokens)
+    loss_fn = make_actor_loss(cfg.algorithm)
+    flops = DecoderFlops.from_hf_config(hf)
+    groups = [s.group for s in samples]
+    update_flops = flops.train_shared_prefix([len(s.prompt_ids) for s in samples], [len(s.response_ids) for s in samples], groups)
+
+    def one() -> float:
+        barrier()
+        t = time.perf_counter()
+        actor.train_batch(batch, loss_fn)
+        return time.perf_counter() - t
+
+    warm = [one() for _ in range(args.warmup)]
+    times = [one() for _ in range(args.repeats)]
+    result = {"times_s": times, "warmup_s": warm, "median_s": statistics.median(times), "dtype": dtype, "update_flops": update_flops}
+    if args.profile:  # the pass an exactly on-policy step skips (actor.recompute_old_logprobs=auto)
+        olds = []
+        for _ in range(3):
+            barrier()
+            t = time.perf_counter()
+            actor.forward_outputs(batch)
+            olds.append(time.perf_counter() - t)
+        result["old_logprob_pass_s"] = statistics.median(olds)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = one()
+        result["profile_wall_s"] = wall
+        result["buckets_s"] = profile_buckets(prof, wall)
+        result["top_ops"] = [
+            {"name": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        ]
+    if ctx.rank == 0:
+        threads = torch.get_num_threads()
+        result["threads_per_rank"] = threads
+        peak_dtype = "float32" if dtype == "float32" else dtype
+        result["gemm_peak_tflops_all_cores"] = gemm_peak(peak_dtype, 2048, 2048, 2048) / 1e12 if args.profile else None
+        torch.set_num_threads(threads)
+        Path(args.out).write_text(json.dumps(result))
+    barrier()
+    finish_rank(0)
+
+
+def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False) -> dict:
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m", "benchmarks.profile_update"]
+    cmd += ["--worker", "--out", str(out), "--preset", args.preset, "--ranks", str(args.ranks), "--prompts", str(args.prompts)]
+    cmd += ["--group", str(args.group), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--repeats", str(args.repeats)]
+    cmd += ["--warmup", str(args.warmup + (2 if compile_layers else 0))]
+    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + [a for kv in extra for a in ("--set", kv)]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, check=False, timeout=3600)
+    text = out.read_text()
+    out.unlink()
+    if p.returncode != 0 or not text:
+        return {"error": (p.stderr or p.stdout)[-1500:], "wall_s": time.perf_counter() - t}
+    return json.loads(text)
+
+
+def lever_runs(args: argparse.Namespace) -> list[dict]:
+    """One re-measured update per lever setting (``--levers``), against the default settings."""
+    rows = []
+    levers = [x for x in args.levers.split(",") if x]
+    settings: list[tuple[str, list[str], bool]] = []
+    if "micro" in levers:
+        settings += [(f"micro_batch_size={m}", [f"actor.micro_batch_size={m}"], False) for m in (16, 32)]
+        settings += [("packing off", ["actor.packing=false"], False), ("shared prefix off", ["actor.shared_prefix=false"], False)]
+    if "reshard" in levers:
+        settings.append(("reshard_after_forward=false", ["actor.reshard_after_forward=false"], False))
+    if "adamw" in levers:
+        settings.append(("AdamW foreach", ["actor.optimizer_impl=foreach"], False))
+    if "compile" in levers:
+        settings.append(("torch.compile per layer", [], True))
+    for name, extra, comp in settings:
+        r = run(args, extra, compile_layers=comp)
+        r["lever"] = name
+        rows.append(r)
+        print(f"  {name:>26}: " + (f"{r['median_s']:.3f} s" if "median_s" in r else f"failed: {r['error'][-300:]}"), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="base")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", help="compute dtype: auto (the trainer's choice here) | float32 | bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--levers", default="micro,reshard,adamw,compile")
+    ap.add_argument("--name", default="", help="results/<name>.json (default profile_update_<preset>)")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="worker: a config override key=value")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    base = run(args, [], profile=True)
+    if "error" in base:
+        raise SystemExit(f"profile_update failed:\n{base['error']}")
+    report(args, base, lever_runs(args))
+
+
+def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
+    wall = base["profile_wall_s"]
+    shares = {k: v / wall for k, v in base["buckets_s"].items()}
+    tflops = base["update_flops"] / base["median_s"] / 1e12
+    peak = base["gemm_peak_tflops_all_cores"]
+    gemm_s = base["buckets_s"]["gemm"] + base["buckets_s"]["attention"] + base["buckets_s"]["logprob_head"]
+    result = {
+        "median_update_s": base["median_s"],
+        "dtype": base["dtype"],
+        "update_tflops_per_s": tflops,
+        "gemm_peak_tflops": peak,
+        "mfu": tflops / peak,
+        "target_mfu_min": 0.5,
+        "profile_wall_s": wall,
+        "buckets_s": base["buckets_s"],
+        "shares": shares,
+        "matmul_tflops_in_matmul_time": base["update_flops"] / max(gemm_s, 1e-9) / 1e12 / args.ranks,
+        "old_logprob_pass_s": base.get("old_logprob_pass_s"),
+        "top_ops": base["top_ops"],
+        "levers": [{k: v for k, v in r.items() if k in ("lever", "median_s", "times_s", "warmup_s", "error")} for r in levers],
+    }
+    for r in result["levers"]:
+        if "median_s" in r:
+            r["speedup"] = base["median_s"] / r["median_s"]
+    name = args.name or f"profile_update_{args.preset}"
+    path = write_json(name, {"benchmark": "profile_update", "machine": machine_info(), "settings": vars(args), "result": result})
+    print(f"update {base['median_s']:.3f} s ({base['dtype']}), {tflops:.4f} TFLOP/s = {tflops / peak:.0%} of the {peak:.3f} GEMM peak")
+    for k in BUCKETS:
+        print(f"  {k:>18}: {base['buckets_s'][k]:7.3f} s  {shares[k]:5.1%}")
+    fig, (a1, a2) = figure((11, 4), ncols=2)
+    a1.barh(list(BUCKETS)[::-1], [shares[k] * 100 for k in BUCKETS][::-1], color="C0")
+    a1.set_xlabel("% of the update's wall time (rank 0, profiled)")
+    a1.set_title(f"One GRPO update, {args.preset}, {args.prompts}x{args.group}x{args.new_tokens}, {base['dtype']}: MFU {tflops / peak:.0%}", fontsize=9)
+    names = ["default"] + [r["lever"] for r in result["levers"] if "median_s" in r]
+    secs = [base["median_s"]] + [r["median_s"] for r in result["levers"] if "median_s" in r]
+    a2.barh(names[::-1], secs[::-1], color=["C1"] * (len(names) - 1) + ["C0"])
+    a2.set_xlabel("update seconds (median)")
+    a2.set_title("Levers, each re-measured", fontsize=9)
+    print(f"wrote {path} and {save_figure(fig, name, grid_axis='x')}")
+
+
+if __name__ == "__main__":
+    main()
