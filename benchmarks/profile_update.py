@@ -107,8 +107,8 @@ def make_batch(args, rank: int, world: int, pad_id: int, vocab: int):
         for _ in range(args.group):
             r = [rng.randrange(8, vocab) for _ in range(rng.randint(16, args.new_tokens))]
             samples.append(Sample(prompt, r, [0.0] * len(r), [1] * len(r), "stop", g))
-    mine = samples[rank::world] if args.prompts * args.group % world else samples[rank * len(samples) // world : (rank + 1) * len(samples) // world]
-    batch = collate(mine, pad_id)
+    n = len(samples)  # whole groups per rank where the group count divides (the shared prefix then runs once per prompt)
+    batch = collate(samples[rank * n // world : (rank + 1) * n // world], pad_id)
     import torch
 
     sign = torch.tensor([1.0 if (i % 2) else -1.0 for i in range(batch.size)])[:, None]

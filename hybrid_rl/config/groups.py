@@ -208,8 +208,9 @@ class ActorConfig:
     optimizer_impl: OptimizerImpl = OptimizerImpl.fused
     # FSDP2 in training: free each layer's gathered weights after its forward (true) or keep them
     # for its backward (false: one all-gather per layer and micro-batch instead of two, for the
-    # full compute-dtype model held on every rank through the backward). Measured on 2 CPU cores
-    # (gloo): the 101M preset's update 17.1 s -> 15.8 s; the tiny default job unchanged.
+    # full compute-dtype model held on every rank through the backward). On 2 CPU cores (gloo,
+    # 101M) it halves the all-gather time but the update's wall time stays within run-to-run
+    # noise: there the ranks wait on each other's compute, not on the wire (docs/benchmarks.md).
     reshard_after_forward: bool = True
     # LoRA on the policy (actor.lora.rank > 0): only low-rank adapters train; see actor.lora.
     lora: LoraConfig = field(default_factory=LoraConfig)
