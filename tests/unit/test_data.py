@@ -212,3 +212,28 @@ def test_load_report_names_what_the_length_limit_did(tmp_path, tokenizer):
     line = report.summary("data.train_files", 40)
     assert "3 rows read (rows.jsonl 3), 2 kept, 1 skipped" in line and f"longest {max(report.lengths)} tokens" in line
     assert report.metrics("train")["data/train_skipped_too_long"] == 1.0
+
+
+def test_batched_tokenisation_equals_one_row_at_a_time(tmp_path, tokenizer, monkeypatch):
+    """The loader tokenises rows in batched chat-template calls (across chunk boundaries here):
+    every prompt's ids equal ``encode_prompt`` of that row alone, with a system prompt and tools;
+    a limit still counts kept prompts, so rows skipped for length do not shorten it."""
+    from types import SimpleNamespace
+
+    from hybrid_rl.data import dataset
+    from hybrid_rl.data.dataset import encode_prompt
+
+    monkeypatch.setattr(dataset, "_CHUNK", 3)
+    f = tmp_path / "rows.jsonl"
+    sizes = (80, 2, 5, 80, 3, 7, 1, 9, 4)  # 80: over the length limit
+    f.write_text("\n".join(json.dumps({"prompt": "y " * n, "answer": str(n)}) for n in sizes))
+    tools = [{"type": "function", "function": {"name": "python", "description": "run code", "parameters": {"type": "object"}}}]
+    longest_kept = len(encode_prompt(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "y " * 9}], tools))
+    cfg = SimpleNamespace(prompt_key="prompt", answer_key="answer", system_prompt="Be brief.", max_prompt_length=longest_kept + 20,
+                          truncation="skip")  # fmt: skip
+    records, report = load_prompts([f], tokenizer, cfg, tools=tools)
+    assert [r.ground_truth for r in records] == [str(n) for n in sizes if n != 80] and report.skipped_too_long == 2
+    for r in records:
+        assert r.prompt_ids == encode_prompt(tokenizer, r.messages, tools)
+    limited, report = load_prompts([f], tokenizer, cfg, limit=4, tools=tools)
+    assert [r.ground_truth for r in limited] == ["2", "5", "3", "7"] and report.rows == 6  # no row past the 4th kept one
