@@ -13,7 +13,7 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
 
 1. Timing: the median of ``--repeats`` updates after a warm-up.
 2. Profile: one update under ``torch.profiler`` on rank 0. Every op's self time is put in one
-   bucket, the first that matches: the optimizer (clip + AdamW, ``hybrid_rl/optimizer``),
+   bucket (``hybrid_rl/trainer/profiling.py``, as ``trainer.profile_steps`` does), the first that matches: the optimizer (clip + AdamW, ``hybrid_rl/optimizer``),
    collectives (FSDP2's all-gather / reduce-scatter and their waits, gloo), the log-prob head
    (``hybrid_rl/logprob_head``: the LM head's matmul, log-softmax and entropy, forward and its
    recompute in backward), attention (SDPA and its backward), GEMMs (mm / addmm / bmm, forward
@@ -45,58 +45,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import figure, machine_info, save_figure, write_json
+from hybrid_rl.trainer.profiling import BUCKETS, profile_buckets
 
 HERE = Path(__file__).resolve().parent
-BUCKETS = ("optimizer", "collectives", "logprob_head", "attention", "gemm", "casts", "other ops", "python/framework")
-_GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::_addmm_activation"}
-_CAST = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from", "aten::clone", "aten::contiguous"}
-
-
-def bucket_of(name: str, ancestors: list[str]) -> str:
-    """The bucket of an op event from its name and its enclosing ranges (innermost first)."""
-    if any(a.startswith(("hybrid_rl/optimizer", "Optimizer.")) for a in ancestors):
-        return "optimizer"
-    low = name.lower()
-    if any(k in low for k in ("gloo", "c10d", "all_gather", "allgather", "reduce_scatter", "allreduce", "wait_tensor")) or any(
-        "FSDP::all_gather" in a or "FSDP::post_backward_reduce" in a or "c10d" in a for a in ancestors
-    ):
-        return "collectives"
-    if any(a.startswith("hybrid_rl/logprob_head") for a in ancestors):
-        return "logprob_head"
-    if "scaled_dot_product" in low or "flash_attention" in low or any("ScaledDotProduct" in a or "Flash" in a for a in ancestors[:2]):
-        return "attention"
-    if name in _GEMM:
-        return "gemm"
-    if name in _CAST:
-        return "casts"
-    return "other ops"
-
-
-def profile_buckets(prof, wall_s: float) -> dict[str, float]:
-    """Seconds per bucket: each op's self CPU time on the profiled (main) thread."""
-    out = dict.fromkeys(BUCKETS, 0.0)
-    events = prof.profiler.function_events
-    main_tid = max({e.thread for e in events}, key=lambda t: sum(e.self_cpu_time_total for e in events if e.thread == t))
-    for e in events:
-        if e.thread != main_tid or e.self_cpu_time_total <= 0:
-            continue
-        ancestors, p = [], e.cpu_parent
-        while p is not None:
-            ancestors.append(p.name)
-            p = p.cpu_parent
-        name = e.name
-        if name.startswith(("hybrid_rl/", "FSDP::", "autograd::", "Optimizer.", "## ")):
-            # a range's own time (outside the ops it encloses) is Python unless it is the
-            # optimizer's or a collective's
-            b = bucket_of(name, [name, *ancestors])
-            b = b if b in ("optimizer", "collectives") else "python/framework"
-        else:
-            b = bucket_of(name, ancestors)
-        out[b] += e.self_cpu_time_total / 1e6
-    out["python/framework"] += max(wall_s - sum(out.values()), 0.0)
-    return out
-
-
 def make_batch(args, rank: int, world: int, pad_id: int, vocab: int):
     from hybrid_rl.batch import Sample, collate
 

@@ -44,7 +44,7 @@ REFUSED = {
     "data.seed": "the data position in the checkpoint refers to the old order",
 }
 # Keys that differ between runs without changing what is trained (never reported).
-IGNORED = ("trainer.resume", "trainer.output_dir", "trainer.run_name", "logger.", "trainer.nproc_per_node")
+IGNORED = ("trainer.resume", "trainer.output_dir", "trainer.run_name", "logger.", "trainer.nproc_per_node", "trainer.profile_steps")
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

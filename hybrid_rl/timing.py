@@ -128,7 +128,8 @@ class PhaseTimer:
         peak = _enter_peak()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # a label in trainer.profile_steps traces
+                yield
         finally:
             if cuda:
                 torch.cuda.synchronize(self.device)

@@ -72,6 +72,8 @@ def _common(cfg: Any) -> list[str]:
         (act.micro_batch_size < 1, f"actor.micro_batch_size={act.micro_batch_size} must be >= 1"),
         (act.lr <= 0, f"actor.lr={act.lr} must be > 0"),
         (cfg.trainer.total_steps < 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1"),
+        (any(not 1 <= s <= cfg.trainer.total_steps for s in cfg.trainer.profile_steps),
+         f"trainer.profile_steps={list(cfg.trainer.profile_steps)} must be steps 1..trainer.total_steps={cfg.trainer.total_steps}"),
         (m.path.startswith("builtin:") and m.preset not in PRESETS, f"model.preset={m.preset!r} must be one of {', '.join(PRESETS)}"),
         (cfg.rollout.backend not in registered().names("backend"),
          f"rollout.backend={cfg.rollout.backend!r} is unknown; known: {', '.join(registered().names('backend'))}"),

@@ -176,6 +176,10 @@ class TrainerConfig:
     collective_timeout_s: int = 600
     # SFT only: epochs over the training split (the step budget wins if reached first).
     sft_epochs: float = 1.0
+    # RL steps (1-based) to run under torch.profiler: each writes a Chrome trace per rank to
+    # output_dir/profile/step_XXXXXX_rank<R>.json.gz and logs rank 0's profile/<bucket>_s (GEMMs,
+    # collectives, attention, the log-prob head, casts, the optimizer, Python). [] = off.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

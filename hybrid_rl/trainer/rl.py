@@ -34,6 +34,7 @@ from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.generations import GenerationLog, rollout_rows
 from hybrid_rl.trainer.logger import MetricsLogger
+from hybrid_rl.trainer.profiling import profiled
 from hybrid_rl.trainer.run_control import RunControl
 from hybrid_rl.trainer.step_metrics import Throughput, explained_variance, reduce_metrics, switch_metrics
 from hybrid_rl.trainer.validation import evaluate, gains_by_source, paired_gain
@@ -92,7 +93,9 @@ class RLTrainer:
             self.logger.log(0, self.validate())
         first = True
         while self.step_idx < cfg.total_steps and not self.control.stop_agreed():
-            metrics = self.step()
+            with profiled(self.step_idx + 1, cfg.profile_steps, self.out_dir, self.ctx.rank, self.ctx.device) as prof:
+                metrics = self.step()
+            metrics.update(prof)
             if first:  # what the data loading kept and skipped, once per start
                 metrics.update(self.parts.data_metrics)
                 first = False

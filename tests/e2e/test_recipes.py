@@ -1,5 +1,6 @@
 """Every RL recipe composes and runs a few steps on CPU through the main entry point."""
 
+import gzip
 import json
 import math
 import subprocess
@@ -24,7 +25,7 @@ FAST = [
     "logger.generations_every=1",
 ]
 RECIPES = {
-    "grpo_math": [],
+    "grpo_math": ["trainer.profile_steps=[2]"],
     "dapo_math": [],
     "gspo_math": [],
     "gfpo_math": ["rollout.n=8", "algorithm.gfpo_keep=4"],
@@ -65,6 +66,13 @@ def test_recipe_runs(tmp_path, recipe):
                 "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"}  # fmt: skip
         assert verl <= set(rows[0]), verl - set(rows[0])
         assert rows[0]["critic/score/min"] <= rows[0]["critic/score/mean"] <= rows[0]["critic/score/max"]
+        # trainer.profile_steps=[2]: that step's buckets (GEMMs in generation and the update) and a
+        # Chrome trace labelled with the step's phases and the engine's own ranges
+        assert "profile/gemm_s" not in rows[0] and rows[1]["profile/gemm_s"] > 0
+        assert sum(v for k, v in rows[1].items() if k.startswith("profile/") and k != "profile/wall_s") == pytest.approx(rows[1]["profile/wall_s"], rel=0.05)
+        trace = json.loads(gzip.decompress((tmp_path / "profile" / "step_000002_rank0.json.gz").read_bytes()))
+        labels = {"phase/generate", "phase/update", "hybrid_rl/forward", "hybrid_rl/backward", "hybrid_rl/optimizer"}
+        assert labels <= {e.get("name") for e in trace["traceEvents"]}
     if recipe == "dapo_math":
         assert "dapo/gen_rounds" in rows[0]
     if recipe == "remax_math":
