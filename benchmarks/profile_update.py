@@ -1,7 +1,7 @@
 """Benchmark: where one GRPO update's time goes, and what the levers on it buy.
 
     python -m benchmarks.profile_update [--preset base] [--ranks 2] [--prompts 8] [--group 8]
-                                        [--new-tokens 64] [--dtype auto] [--levers micro,adamw,compile]
+                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,adamw,compile]
 
 Under real torchrun ranks (gloo, one thread each, as the trainer runs them) each rank builds the
 actor of ``+recipe=grpo_math`` on the ``--preset`` model (the default recipe's settings: packing,
@@ -13,16 +13,16 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
 
 1. Timing: the median of ``--repeats`` updates after a warm-up.
 2. Profile: one update under ``torch.profiler`` on rank 0. Every op's self time is put in one
-   bucket (``hybrid_rl/trainer/profiling.py``, as ``trainer.profile_steps`` does), the first that matches: the optimizer (clip + AdamW, ``hybrid_rl/optimizer``),
-   collectives (FSDP2's all-gather / reduce-scatter and their waits, gloo), the log-prob head
-   (``hybrid_rl/logprob_head``: the LM head's matmul, log-softmax and entropy, forward and its
-   recompute in backward), attention (SDPA and its backward), GEMMs (mm / addmm / bmm, forward
+   bucket (``hybrid_rl/trainer/profiling.py``, as ``trainer.profile_steps`` does), the first
+   that matches: the optimizer (clip + AdamW, ``hybrid_rl/optimizer``), collectives (FSDP2's
+   all-gather / reduce-scatter and their waits, gloo), the log-prob head (``hybrid_rl/logprob_head``:
+   the LM head's matmul, log-softmax and entropy, forward and its recompute in backward), attention (SDPA and its backward), GEMMs (mm / addmm / bmm, forward
    and backward), dtype casts and copies, other tensor ops; what is left of the wall time is
    Python and framework overhead. Shares of the update's wall time.
 3. MFU: the update's model FLOPs (``hybrid_rl/engine/flops.py``, the trainer's count) per second
    against the GEMM peak of the compute dtype on the same cores, measured in the same run (a
-   2048^3 matmul on all cores), and the GEMMs' own rate (their FLOPs over the time the profile
-   puts in GEMM buckets).
+   2048^3 matmul on all cores), and the matmuls' own rate per rank (the FLOPs over the time the
+   profile puts in the GEMM, attention and head buckets).
 4. Levers (``--levers``), each a full re-measurement: micro-batch sizes, packing and the shared
    prefix off (what they already save), ``actor.reshard_after_forward=false``, foreach vs fused
    AdamW, ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
