@@ -42,10 +42,12 @@ def bucket_of(name: str, ancestors: list[str]) -> str:
     return "casts" if name in _CAST else "other ops"
 
 
-def profile_buckets(prof: torch.profiler.profile, wall_s: float) -> dict[str, float]:
-    """Seconds per bucket of :data:`BUCKETS`: each op's self time on the busiest thread; a
-    range's own time (outside the ops it encloses) is Python unless it is the optimizer's or a
-    collective's; ``python/framework`` also gets what no op accounts for."""
+def profile_buckets(prof: torch.profiler.profile, wall_s: float, device_time: bool = False) -> dict[str, float]:
+    """Seconds per bucket of :data:`BUCKETS`: each op's self time on the busiest thread (its
+    kernels' time on the accelerator with ``device_time``, as on CUDA, where host time is mostly
+    launches); a range's own time (outside the ops it encloses) is Python unless it is the
+    optimizer's or a collective's; ``python/framework`` also gets what no op accounts for (on
+    CUDA: the accelerator idle)."""
     out = dict.fromkeys(BUCKETS, 0.0)
     events = prof.profiler.function_events
     busy: dict[int, float] = {}
@@ -64,7 +66,7 @@ def profile_buckets(prof: torch.profiler.profile, wall_s: float) -> dict[str, fl
             b = b if b in ("optimizer", "collectives") else "python/framework"
         else:
             b = bucket_of(e.name, ancestors)
-        out[b] += e.self_cpu_time_total / 1e6
+        out[b] += (e.self_device_time_total if device_time else e.self_cpu_time_total) / 1e6
     out["python/framework"] += max(wall_s - sum(out.values()), 0.0)
     return out
 
@@ -87,5 +89,6 @@ def profiled(step: int, steps: list[int], out_dir: Path, rank: int, device: torc
     folder = Path(out_dir) / "profile"
     folder.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(folder / f"step_{step:06d}_rank{rank}.json.gz"))
-    metrics.update({f"profile/{k.replace(' ', '_').replace('/', '_')}_s": v for k, v in profile_buckets(prof, wall).items()})
+    buckets = profile_buckets(prof, wall, device_time=device.type == "cuda")
+    metrics.update({f"profile/{k.replace(' ', '_').replace('/', '_')}_s": v for k, v in buckets.items()})
     metrics["profile/wall_s"] = wall
