@@ -51,6 +51,7 @@ def recipe_cache_key(recipe_cfg: Any) -> str:
     parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in groups}
     if parts["actor"].get("lora", {}).get("rank", 0) == 0:
         parts["actor"].pop("lora", None)  # full fine-tune: the key of models built before LoRA existed
+    parts["actor"].pop("reshard_after_forward", None)  # when FSDP2 frees gathered weights: the same model either way
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
     parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
     if "builtin:synth_math" in [*recipe_cfg.data.train_files, *recipe_cfg.data.val_files]:

@@ -151,6 +151,20 @@ def test_full_fine_tune_key_of_builtin_models_ignores_the_lora_section():
     assert recipe_cache_key(cfg2) != key
 
 
+def test_settings_that_do_not_change_the_model_keep_the_warm_start_key():
+    """actor.reshard_after_forward (when FSDP2 frees gathered weights) builds the same model, so it
+    keeps the cached warm start. The default recipe's key is pinned: a new field in model, data or
+    actor changes it and rebuilds every user's warm start (minutes), so a change here must be
+    meant (then update the pin)."""
+    from hybrid_rl.config.compose import compose_recipe
+    from hybrid_rl.trainer.build import recipe_cache_key
+
+    cfg = compose_recipe("sft_math_short", "tiny")
+    assert recipe_cache_key(cfg) == "7a7fc2ad88"
+    cfg.actor.reshard_after_forward = False
+    assert recipe_cache_key(cfg) == "7a7fc2ad88"
+
+
 def test_adapter_export_of_a_full_fine_tune_is_refused(tmp_path, tiny_path):
     from hybrid_rl.export import export_checkpoint
 
