@@ -384,8 +384,8 @@ CATALOGUE: tuple[Mutant, ...] = (
            (f"{T_DATA}::test_sampler_is_deterministic_and_resumable",),
            "the prompt sampler's position is not restored: a resumed run repeats the epoch's first prompts"),
     Mutant("prompt_limit_over_all_files", "data", "hybrid_rl/data/dataset.py",
-           "if limit and len(records) - first >= limit:",
-           "if limit and len(records) >= limit:",
+           "while not limit or len(records) < limit:",
+           "while not limit or sum(report.rows_per_file.values()) < limit:",
            (f"{T_DATA}::test_load_prompts_parquet_and_jsonl",),
            "data.val_size counts over all files: the second validation set (val_seen) loads no rows"),
 )  # fmt: skip

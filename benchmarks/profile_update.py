@@ -48,6 +48,8 @@ from benchmarks.common import figure, machine_info, save_figure, write_json
 from hybrid_rl.trainer.profiling import BUCKETS, profile_buckets
 
 HERE = Path(__file__).resolve().parent
+
+
 def make_batch(args, rank: int, world: int, pad_id: int, vocab: int):
     from hybrid_rl.batch import Sample, collate
 
@@ -90,9 +92,8 @@ def worker(args: argparse.Namespace) -> None:
     register_configs()
     cfg = compose_recipe("grpo_math", args.preset)
     OmegaConf.set_struct(cfg, False)
-    overrides = dict(kv.split("=", 1) for kv in args.set)
-    for k, v in overrides.items():
-        OmegaConf.update(cfg, k, OmegaConf.create({"v": v})["v"] if v not in ("null", "None") else None)
+    for k, v in (kv.split("=", 1) for kv in args.set):
+        OmegaConf.update(cfg, k, None if v == "null" else v)  # the schema converts the string
     if args.dtype != "auto":
         cfg.actor.param_dtype = None if args.dtype == "float32" else args.dtype
     resolve_precision(cfg, "cpu")  # auto: what the trainer would pick on this CPU
@@ -129,7 +130,6 @@ def worker(args: argparse.Namespace) -> None:
             actor.forward_outputs(batch)
             olds.append(time.perf_counter() - t)
         result["old_logprob_pass_s"] = statistics.median(olds)
-    if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         barrier()
@@ -142,11 +142,8 @@ def worker(args: argparse.Namespace) -> None:
             for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         ]
     if ctx.rank == 0:
-        threads = torch.get_num_threads()
-        result["threads_per_rank"] = threads
-        peak_dtype = "float32" if dtype == "float32" else dtype
-        result["gemm_peak_tflops_all_cores"] = gemm_peak(peak_dtype, 2048, 2048, 2048) / 1e12 if args.profile else None
-        torch.set_num_threads(threads)
+        result["threads_per_rank"] = torch.get_num_threads()
+        result["gemm_peak_tflops_all_cores"] = gemm_peak(dtype, 2048, 2048, 2048) / 1e12 if args.profile else None
         Path(args.out).write_text(json.dumps(result))
     barrier()
     finish_rank(0)

@@ -11,6 +11,7 @@ truncated, or rejected, as ``data.truncation`` says.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from dataclasses import dataclass, field
@@ -200,20 +201,18 @@ def _file_records(path: Path, tokenizer: Any, cfg: Any, limit: int, tools: list[
     # Read once: an OmegaConf attribute costs ~40 us, and four per row were 3 s of 20,000 rows.
     keys = (cfg.prompt_key, cfg.answer_key, cfg.system_prompt)
     max_len, truncation = cfg.max_prompt_length, cfg.truncation
-    rows, records, done = enumerate(read_rows(path)), [], False
-    while not done and not (limit and len(records) >= limit):
+    rows, records = enumerate(read_rows(path)), []
+    while not limit or len(records) < limit:
         chunk = []
-        for i, row in rows:
+        for i, row in itertools.islice(rows, min(limit - len(records), _CHUNK) if limit else _CHUNK):
             where = f"{path}: row {i}"
             report.rows += 1
             report.rows_per_file[str(path)] = report.rows_per_file.get(str(path), 0) + 1
             messages, gt = _validated_row(row, where, *keys)
             extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
             chunk.append((where, messages, gt, str(row.get("data_source", path.stem)), dict(extra), f"{path}:{i}"))
-            if len(chunk) >= (min(limit - len(records), _CHUNK) if limit else _CHUNK):
-                break
-        else:
-            done = True
+        if not chunk:
+            break
         for (where, messages, gt, source, extra, row_id), full in zip(chunk, encode_prompts(tokenizer, [c[1] for c in chunk], tools), strict=True):
             report.lengths.append(len(full))
             ids = full

@@ -68,25 +68,21 @@ def _chunk_logprobs_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor, Tensor]:
     with record_function("hybrid_rl/logprob_head"):  # a torch.profiler label (forward and its recompute)
-        return _chunk_body(hidden, weight, targets, temperature, top_k, top_p)
-
-
-def _chunk_body(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    logits = F.linear(hidden, weight).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    full = None
-    if top_k > 0 or top_p < 1.0:
-        full = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        logits = truncate_logits(logits, top_k, top_p)
-    lse = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets[:, None])[:, 0] - lse
-    if full is not None:
-        logprobs = torch.where(torch.isfinite(logprobs), logprobs, torch.full_like(logprobs, OUTSIDE_LOGPROB))
-    probs = torch.softmax(logits, dim=-1)
-    # 0 * -inf is nan: truncated tokens contribute nothing to the entropy
-    entropy = lse - torch.where(probs > 0, probs * logits, torch.zeros_like(logits)).sum(-1)
-    return logprobs, entropy, logprobs if full is None else full
+        logits = F.linear(hidden, weight).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        full = None
+        if top_k > 0 or top_p < 1.0:
+            full = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+            logits = truncate_logits(logits, top_k, top_p)
+        lse = torch.logsumexp(logits, dim=-1)
+        logprobs = logits.gather(-1, targets[:, None])[:, 0] - lse
+        if full is not None:
+            logprobs = torch.where(torch.isfinite(logprobs), logprobs, torch.full_like(logprobs, OUTSIDE_LOGPROB))
+        probs = torch.softmax(logits, dim=-1)
+        # 0 * -inf is nan: truncated tokens contribute nothing to the entropy
+        entropy = lse - torch.where(probs > 0, probs * logits, torch.zeros_like(logits)).sum(-1)
+        return logprobs, entropy, logprobs if full is None else full
 
 
 def logprobs_and_entropy(
