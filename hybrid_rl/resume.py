@@ -39,6 +39,7 @@ REFUSED = {
     "actor.lora.alpha": "the adapters were trained at another scale",
     "critic.lr": "the critic's optimizer comes from the checkpoint",
     "data.train_files": "the data position in the checkpoint refers to the old files",
+    "data.train_size": "the data position in the checkpoint refers to the old rows",
     "data.train_batch_size": "the data position in the checkpoint counts batches of the old size",
     "data.shuffle": "the data position in the checkpoint refers to the old order",
     "data.seed": "the data position in the checkpoint refers to the old order",
@@ -132,7 +133,8 @@ def resume_problems(cfg: Any, resolved: dict) -> tuple[list[str], list[str]]:
             "or start over with trainer.resume=never (or another trainer.run_name)"
         ], []
     changes = config_changes(manifest.get("config", {}), resolved)
-    refused = [f"{k}: {old!r} -> {new!r} ({REFUSED[k]})" for k, (old, new) in changes.items() if k in REFUSED]
+    # A key the checkpoint's config lacks came with a later version at its default: not a change to refuse.
+    refused = [f"{k}: {old!r} -> {new!r} ({REFUSED[k]})" for k, (old, new) in changes.items() if k in REFUSED and old is not None]
     if refused:
         return [f"cannot resume {where} with changed settings: " + "; ".join(refused)
                 + ". Start over with trainer.resume=never (or another trainer.run_name)"], []  # fmt: skip

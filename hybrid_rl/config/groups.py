@@ -76,6 +76,9 @@ class DataConfig:
     truncation: Truncation = Truncation.skip
     # Prompts per RL step across all ranks (each yields rollout.n samples).
     train_batch_size: int = 32
+    # Training rows kept from the start of each training file (0 = all; verl's train_max_samples):
+    # a smoke run or a first look at a large dataset without reading all of it.
+    train_size: int = 0
     # Validation prompts per evaluation from the start of each validation file (0 = all).
     val_size: int = 256
     shuffle: bool = True

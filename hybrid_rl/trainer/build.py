@@ -52,6 +52,8 @@ def recipe_cache_key(recipe_cfg: Any) -> str:
     if parts["actor"].get("lora", {}).get("rank", 0) == 0:
         parts["actor"].pop("lora", None)  # full fine-tune: the key of models built before LoRA existed
     parts["actor"].pop("reshard_after_forward", None)  # when FSDP2 frees gathered weights: the same model either way
+    if not parts["data"].get("train_size"):
+        parts["data"].pop("train_size", None)  # every row: the key of models built before the limit existed
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)
     parts["trainer"] = {k: recipe_cfg.trainer[k] for k in ("task", "total_steps", "seed", "sft_epochs")}
     if "builtin:synth_math" in [*recipe_cfg.data.train_files, *recipe_cfg.data.val_files]:
@@ -164,7 +166,7 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
     check_chat_template(tok, model_path)
     tools, schemas = build_tools(cfg)
     d, a, steps = cfg.data, cfg.algorithm, optimizer_steps(cfg)
-    train, train_report = load_prompts(resolve_files(d.train_files, "train", d.synth), tok, d, tools=schemas)
+    train, train_report = load_prompts(resolve_files(d.train_files, "train", d.synth), tok, d, d.train_size, tools=schemas)
     val, val_report = load_prompts(resolve_files(d.val_files, "val", d.synth), tok, d, d.val_size, tools=schemas)
     if ctx.is_main:
         log.info(train_report.summary("data.train_files", d.max_prompt_length))

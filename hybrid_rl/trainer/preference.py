@@ -158,7 +158,7 @@ def dpo_eval(policy: FSDPEngine, ref_val: torch.Tensor, val: list[PreferenceExam
 def run_dpo(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
     tok = load_tokenizer(model_path)
     train_files, val_files = preference_files(cfg, ctx, model_path, tok)
-    train = load_preferences(train_files, tok, cfg.data, "pairs")
+    train = load_preferences(train_files, tok, cfg.data, "pairs", limit=cfg.data.train_size)
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)
     bs = cfg.data.train_batch_size
     steps = offline_steps(cfg, len(train))
@@ -227,7 +227,7 @@ def run_rm(cfg: Any, ctx: DistContext, model_path: str, export_dir: str | None =
     train_files, val_files = preference_files(cfg, ctx, model_path, tok)
     kind = cfg.preference.rm_loss
     group = cfg.preference.list_size if kind == "listwise" else 2
-    train = load_preferences(train_files, tok, cfg.data, "lists" if kind == "listwise" else "pairs")
+    train = load_preferences(train_files, tok, cfg.data, "lists" if kind == "listwise" else "pairs", limit=cfg.data.train_size)
     if kind == "listwise":
         train = [ex for ex in train if len(ex.responses) == group]
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)

@@ -30,7 +30,7 @@ def sft_samples(files: list[Path], tokenizer: Any, cfg: Any, tools: list[dict] |
     assistant turns are trained on, tool turns are masked out, laid out exactly as the agent
     loop produces them at rollout time).
     """
-    records, _ = load_prompts(files, tokenizer, cfg, tools=tools)
+    records, _ = load_prompts(files, tokenizer, cfg, cfg.train_size, tools=tools)
     rows_by_source = {}
     for path in files:
         for i, row in enumerate(read_rows(path)):

@@ -66,6 +66,8 @@ def test_recipe_runs(tmp_path, recipe):
                 "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"}  # fmt: skip
         assert verl <= set(rows[0]), verl - set(rows[0])
         assert rows[0]["critic/score/min"] <= rows[0]["critic/score/mean"] <= rows[0]["critic/score/max"]
+        # the overlay's data.train_size: the first 1,024 of the 20,000 training prompts are read
+        assert "data.train_files: 1024 rows read (train.parquet 1024)" in (tmp_path / "main.log").read_text()
         # trainer.profile_steps=[2]: that step's buckets (GEMMs in generation and the update) and a
         # Chrome trace labelled with the step's phases and the engine's own ranges
         assert "profile/gemm_s" not in rows[0] and rows[1]["profile/gemm_s"] > 0

@@ -38,6 +38,9 @@ def test_resume_refuses_another_model_and_ignored_settings_and_reports_the_rest(
     line = refused_line(run(tmp_path, "trainer.total_steps=3", "actor.lr=1e-3"))
     assert "actor.lr: 5e-05 -> 0.001 (the optimizer and LR schedule come from the checkpoint" in line
     assert "trainer.resume=never" in line
+    # fewer or more training rows: the sampler's position would index other prompts
+    line = refused_line(run(tmp_path, "trainer.total_steps=3", "data.train_size=512"))
+    assert "data.train_size: 1024 -> 512 (the data position in the checkpoint refers to the old rows)" in line
 
     # a safe change: printed, and the run continues from step 2
     go = run(tmp_path, "trainer.total_steps=3", "rollout.temperature=0.9")

@@ -17,6 +17,7 @@ DIGITS = ROOT / "tests" / "learning" / "digit_reward.py"
 
 COMMON = [
     "+overlay=ci_tiny",
+    "data.train_size=0",  # every prompt, as when the figures below were measured
     "algorithm.filter_groups=false",
     "trainer.nproc_per_node=2",
     "data.train_batch_size=8",

@@ -171,3 +171,30 @@ def test_adapter_export_of_a_full_fine_tune_is_refused(tmp_path, tiny_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"model_dir": tiny_path, "config": {"actor": {"lora": {"rank": 0}}}}))
     with pytest.raises(ValueError, match="no adapter"):
         export_checkpoint(tmp_path, tmp_path / "out", adapter_only=True)
+
+
+def test_resume_refuses_another_train_size_but_not_a_key_the_checkpoint_predates(tmp_path):
+    """A checkpoint written before ``data.train_size`` existed resumes (the key is new, at its
+    default); one written with another row limit is refused (its data position indexes other rows)."""
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.config.compose import compose_recipe
+    from hybrid_rl.resume import model_identity, resume_problems
+
+    cfg = compose_recipe("grpo_math", "tiny")
+    cfg.trainer.output_dir = str(tmp_path)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    for saved_size, refused in ((None, False), (1024, True)):
+        saved = OmegaConf.to_container(cfg, resolve=True)
+        if saved_size is None:
+            del saved["data"]["train_size"]
+        else:
+            saved["data"]["train_size"] = saved_size
+        manifest = {"model": model_identity(cfg.model), "config": saved, "files": []}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        problems, notes = resume_problems(cfg, resolved)
+        assert bool(problems) == refused, (problems, notes)
+        want = f"data.train_size: {saved_size!r} -> 0"
+        assert want in (problems[0] if refused else "; ".join(notes))
