@@ -42,7 +42,9 @@ def rollout_rows(rollout: Rollout, tokenizer: Any, n: int, batch: TrainBatch | N
     """The first ``n`` samples of a scored rollout, decoded (tool output included, as the model
     saw it); with its ``batch`` after the advantages, also each sample's ``group`` (samples of one
     prompt share it) and ``advantage`` (at its first response token: the sample's advantage for
-    the outcome estimators, the first token's for GAE and REINFORCE++)."""
+    the outcome estimators, the first token's for GAE and REINFORCE++), and what the loss trains on
+    (``trained_tokens``, and ``untrained``: the text of the response tokens the loss mask leaves
+    out, a multi-turn rollout's tool output)."""
     rows = []
     for i, s in enumerate(rollout.samples[:n]):
         row = {
@@ -54,5 +56,14 @@ def rollout_rows(rollout: Rollout, tokenizer: Any, n: int, batch: TrainBatch | N
         }
         if batch is not None and batch.advantages is not None:
             row.update(group=int(batch.group_ids[i]), advantage=float(batch.advantages[i, 0]), response_tokens=len(s.response_ids))
+            row.update(_masked(s.response_ids, batch.response_mask[i], tokenizer))
         rows.append(row)
     return rows
+
+
+def _masked(response_ids: list[int], mask: Any, tokenizer: Any) -> dict[str, Any]:
+    """The batch's own loss mask over one response (``mask``: [R] float, padded past the
+    response): how many tokens it trains on and the decoded text of those it does not."""
+    keep = [float(m) > 0 for m in mask[: len(response_ids)].tolist()]
+    left_out = [t for t, k in zip(response_ids, keep, strict=True) if not k]
+    return {"trained_tokens": sum(keep), "untrained": tokenizer.decode(left_out, skip_special_tokens=False)}

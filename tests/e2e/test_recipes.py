@@ -36,8 +36,9 @@ RECIPES = {
     "reinforce_pp_baseline_math": [],
     "remax_math": [],
     "ppo_math": ["critic.warmup_steps=1"],
-    "agentic_math_tool": ["rollout.agent.max_response_tokens=64"],
 }
+# agentic_math_tool runs through the main entry point in test_agentic_tools.py, from a model that
+# calls the tool (a random-init one never does, so a case here would run no tool call)
 
 
 def run(out: Path, recipe: str, *extra: str) -> list[dict]:
@@ -79,8 +80,6 @@ def test_recipe_runs(tmp_path, recipe):
         assert "dapo/gen_rounds" in rows[0]
     if recipe == "remax_math":
         assert "rollout/greedy_baseline_mean" in rows[0]
-    if recipe == "agentic_math_tool":
-        assert "agent/turns_mean" in rows[0]
     if recipe in ADVANTAGES:  # the recipe's own estimator, recomputed from the logged scores
         for step in (1, 2):
             samples = [json.loads(x) for x in (tmp_path / "generations" / f"train_step_{step:04d}.jsonl").read_text().splitlines()]
