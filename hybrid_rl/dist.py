@@ -76,7 +76,8 @@ def shutdown_distributed() -> None:
 
 
 def finish_rank(code: int = 0) -> None:
-    """End a torchrun rank: destroy the group, flush stdio and logging, then ``os._exit(code)``.
+    """End a run's process (a torchrun rank, or a single-process run): destroy the group, flush
+    stdio and logging, then ``os._exit(code)``.
 
     Interpreter teardown after ``destroy_process_group()`` sometimes aborts with "terminate called
     without an active exception" (SIGABRT: gloo's worker threads outlive the interpreter;

@@ -64,6 +64,6 @@ def rollout_rows(rollout: Rollout, tokenizer: Any, n: int, batch: TrainBatch | N
 def _masked(response_ids: list[int], mask: Any, tokenizer: Any) -> dict[str, Any]:
     """The batch's own loss mask over one response (``mask``: [R] float, padded past the
     response): how many tokens it trains on and the decoded text of those it does not."""
-    keep = [float(m) > 0 for m in mask[: len(response_ids)].tolist()]
+    keep = [m > 0 for m in mask[: len(response_ids)].tolist()]
     left_out = [t for t, k in zip(response_ids, keep, strict=True) if not k]
     return {"trained_tokens": sum(keep), "untrained": tokenizer.decode(left_out, skip_special_tokens=False)}

@@ -135,12 +135,15 @@ ADVANTAGES = {
 }
 
 
-@pytest.mark.parametrize("recipe", ["grpo_math", "ppo_math", "agentic_math_tool"])
+# rollout.backend=hf cases; the agentic one also runs here (the recipe table above has no agentic row)
+HF_BACKEND = {"grpo_math": RECIPES["grpo_math"], "ppo_math": RECIPES["ppo_math"], "agentic_math_tool": ["rollout.agent.max_response_tokens=64"]}
+
+
+@pytest.mark.parametrize("recipe", sorted(HF_BACKEND))
 def test_transformers_rollout_backend_trains(tmp_path, recipe):
     """rollout.backend=hf (no vLLM): single-turn groups, PPO with a critic (the switch's idle
     engines) and the multi-turn agent loop (submit/poll) train through the same trainer."""
-    extra = ["rollout.agent.max_response_tokens=64"] if recipe == "agentic_math_tool" else RECIPES[recipe]
-    rows = [r for r in run(tmp_path, recipe, "rollout.backend=hf", *extra) if "weights_version" in r]
+    rows = [r for r in run(tmp_path, recipe, "rollout.backend=hf", *HF_BACKEND[recipe]) if "weights_version" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert any("actor/loss" in r for r in rows)
     assert all(r["rollout/prefix_cached_tokens"] == 0 for r in rows if "rollout/prefix_cached_tokens" in r)
