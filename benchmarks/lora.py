@@ -40,7 +40,7 @@ def overrides(args: argparse.Namespace, preset: str, mode: str) -> list[str]:
         *recipe, "model.path=builtin:tiny", f"model.preset={preset}", f"trainer.nproc_per_node={args.ranks}",
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}", f"rollout.max_response_length={args.new_tokens}",
         f"trainer.total_steps={args.steps}", "trainer.val_every=0", "trainer.val_before_train=false", "trainer.export_hf=false",
-        "trainer.save_every_minutes=0", "logger.progress_bar=false", "algorithm.filter_groups=false",
+        "trainer.save_every_minutes=0", "logger.progress_bar=false", "algorithm.filter_groups.enable=false",
         f"actor.micro_batch_size={args.prompts * args.group}", f"actor.param_dtype={compute}", f"rollout.dtype={args.dtype}",
         f"rollout.kv_cache_gib={args.kv_cache_gib}", f"reward.functions=[{{name: custom, weight: 1.0, path: {reward}, function: score}}]",
         "trainer.run_name=lora_bench", *args.extra,

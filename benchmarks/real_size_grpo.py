@@ -59,7 +59,7 @@ def main() -> None:
         f"trainer.nproc_per_node={args.ranks}", f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}",
         f"rollout.max_response_length={args.new_tokens}", f"trainer.total_steps={args.steps}", "trainer.val_every=0",
         "trainer.val_before_train=false", "trainer.export_hf=false", "trainer.save_every_minutes=0",
-        "logger.progress_bar=false", "algorithm.filter_groups=false", f"actor.micro_batch_size={args.prompts * args.group}",
+        "logger.progress_bar=false", "algorithm.filter_groups.enable=false", f"actor.micro_batch_size={args.prompts * args.group}",
         f"actor.param_dtype={'null' if args.dtype == 'float32' else args.dtype}", f"rollout.dtype={args.dtype}",
         f"reward.functions=[{{name: custom, weight: 1.0, path: {reward}, function: score}}]",
         "trainer.run_name=real_size_grpo", *args.extra,

@@ -9,7 +9,7 @@ stands in for). Rows:
 
 - ``baseline``: the recipe (reward = ``builtin:tiny-rm``: ``rm_math`` on 3,000 prompts' pairs,
   adaptive k1 KL 0.01);
-- ``kl``: a 10x stronger, fixed KL coefficient (``algorithm.kl_coef=0.1``);
+- ``kl``: a 10x stronger, fixed KL coefficient (``algorithm.kl_reward.coef=0.1``);
 - ``mix``: the verifier added to the learned reward (weight 1 each);
 - ``pairs``: a reward model trained on ``--more-prompts`` prompts' pairs (``rm_math
   preference.n_prompts=N``, steps scaled with the data);
@@ -104,7 +104,7 @@ def main() -> None:
     members = f"reward.reward_model.ensemble=[{rms['seed1']['path']},{rms['seed2']['path']}]" if "seed1" in rms else None
     overrides = {
         "baseline": [],
-        "kl": ["algorithm.kl_ctrl=fixed", "algorithm.kl_coef=0.1"],
+        "kl": ["algorithm.kl_reward.ctrl=fixed", "algorithm.kl_reward.coef=0.1"],
         "mix": ["reward.functions=[{name:math,weight:1.0}]"],
         "pairs": [f"reward.reward_model.path={rms['pairs']['path']}"] if "pairs" in rms else [],
         "ensemble_mean": [members, "reward.reward_model.ensemble_reduce=mean"],

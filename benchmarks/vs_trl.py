@@ -158,7 +158,7 @@ def run_hybrid(args, ranks: int) -> dict:
         f"trainer.total_steps={args.steps}", "trainer.val_every=0", "trainer.val_before_train=false",
         "trainer.save_every=0", "logger.progress_bar=false",
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.group}", f"rollout.max_response_length={args.max_tokens}",
-        "rollout.val_pass_k=0", "algorithm.filter_groups=false", f"actor.lr={args.lr}",
+        "rollout.val_pass_k=0", "algorithm.filter_groups.enable=false", f"actor.lr={args.lr}",
         f"actor.micro_batch_size={args.prompts * args.group}",
     ]  # fmt: skip
     p = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True, check=False, timeout=1800)

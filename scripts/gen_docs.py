@@ -65,6 +65,14 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{v.value if isinstance(v, enum.Enum) else v!r}`"
 
 
+def _section_doc(tp: object) -> str:
+    """A section's meaning when its field has no comment: its class docstring's first paragraph."""
+    if not dataclasses.is_dataclass(tp):
+        return ""
+    doc = tp.__doc__ or ""
+    return "" if doc.startswith(f"{tp.__name__}(") else " ".join(doc.split("\n\n")[0].split())  # dataclass's own repr-doc: none
+
+
 def configuration() -> str:
     from hybrid_rl.config import Config
 
@@ -72,6 +80,7 @@ def configuration() -> str:
     for f in (ROOT / "hybrid_rl" / "config").glob("*.py"):
         comments.update(field_comments(f))
     comments.update(field_comments(ROOT / "hybrid_rl" / "rollout" / "settings.py"))
+    comments.update(field_comments(ROOT / "hybrid_rl" / "algorithms" / "params.py"))
     parts = [HEADER, "# Configuration reference\n", "Every field of every config group: set any of them on the command line "
              "(`group.field=value`) or in a recipe. Fields listing values separated by `|` are enums: another value is "
              "refused when the config is composed.\n"]  # fmt: skip
@@ -88,7 +97,7 @@ def configuration() -> str:
             elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
                 todo.append((f"{path}.{f.name}[i]", typing.get_args(tp)[0]))  # e.g. reward.functions[i]
             owner = next((c.__name__ for c in cls.__mro__ if (c.__name__, f.name) in comments), cls.__name__)
-            text = comments.get((owner, f.name), "").replace("|", "\\|")
+            text = (comments.get((owner, f.name)) or _section_doc(tp)).replace("|", "\\|")
             parts.append(f"| `{f.name}` | {_type_name(tp)} | {_default(f)} | {text} |")
     return "\n".join(parts) + "\n"
 
@@ -116,15 +125,17 @@ def algorithms() -> str:
         docs.update(_docs_by_registration(f))
     parts = [HEADER, "# Algorithm reference\n", "What the registries hold (`hybrid_rl/algorithms/registry.py`). An estimator "
              "declares what it needs when it registers; the config checks read that (`group`: `rollout.n >= 2`; `critic`: "
-             "`critic.enable=true`; `greedy_baseline`: `algorithm.greedy_baseline=true`). A new one is a function in a "
-             "new file under `hybrid_rl/algorithms/` with the decorator.\n"]  # fmt: skip
+             "`critic.enable=true`; `greedy_baseline`: the rollout also generates each prompt's greedy answer). One with "
+             "parameters declares them as a dataclass (`hybrid_rl/algorithms/params.py`): the `algorithm` keys it reads. "
+             "A new one is a function in a new file under `hybrid_rl/algorithms/` with the decorator.\n"]  # fmt: skip
     titles = {"adv_estimator": "Advantage estimators (`algorithm.adv_estimator`)", "policy_loss": "Policy losses (`algorithm.policy_loss`)",
               "ensemble_reduce": "Reward-model ensembles (`reward.reward_model.ensemble_reduce`)", "backend": "Rollout backends (`rollout.backend`)"}  # fmt: skip
     for kind, title in titles.items():
-        parts.append(f"\n## {title}\n\n| name | needs | what it computes |\n|---|---|---|")
+        parts.append(f"\n## {title}\n\n| name | needs | reads | what it computes |\n|---|---|---|---|")
         for name in reg.names(kind):
             needs = ", ".join(sorted(reg.needs(kind, name))) or "-"
-            parts.append(f"| `{name}` | {needs} | {docs.get((kind, name), '')} |")
+            reads = ", ".join(f"`algorithm.{k}`" for k in sorted(reg.param_fields(kind, name))) or "-"
+            parts.append(f"| `{name}` | {needs} | {reads} | {docs.get((kind, name), '')} |")
     return "\n".join(parts) + "\n"
 
 

@@ -1,8 +1,8 @@
 """Advantage estimators: pure functions of reward tensors, registered by name.
 
-Every estimator has the signature ``fn(inp: AdvantageInputs, cfg) -> (advantages, returns)``
-with both outputs ``[B, R]`` and zero outside ``response_mask``. ``cfg`` is the
-``algorithm`` config (only plain attributes are read). Sequence-level estimators use the
+Every estimator has the signature ``fn(inp: AdvantageInputs, params) -> (advantages, returns)``
+with both outputs ``[B, R]`` and zero outside ``response_mask``. ``params`` is the dataclass the
+estimator declared when it registered (:mod:`hybrid_rl.algorithms.params`), or None. Sequence-level estimators use the
 sequence score ``s_i = sum_t token_rewards[i, t]``, which equals the verifier's score unless a
 KL penalty was folded into the token rewards.
 
@@ -11,11 +11,12 @@ Shapes: B samples, R response tokens, G samples per prompt (group), ``group_ids 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from hybrid_rl.algorithms.params import GAEParams, GFPOParams, GroupNormParams, ReturnParams
 from hybrid_rl.algorithms.registry import register_adv_est
 
 
@@ -53,27 +54,27 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool =
     return out * mask
 
 
-@register_adv_est("grpo", needs=("group",))
-def grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+@register_adv_est("grpo", needs=("group",), params=GroupNormParams)
+def grpo(inp: AdvantageInputs, params: GroupNormParams) -> tuple[Tensor, Tensor]:
     r"""GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, eq. 3).
 
     .. math:: \hat A_{i,t} = \frac{s_i - \mathrm{mean}(s_{g(i)})}{\mathrm{std}(s_{g(i)}) + \epsilon}
 
-    for every response token t of sample i. ``cfg.norm_adv_by_std=False`` drops the division
+    for every response token t of sample i. ``params.norm_adv_by_std=False`` drops the division
     (Dr.GRPO, Liu et al. 2025). The std is the unbiased sample std, as in verl; a group whose
     rewards are all equal gets advantage 0.
     """
     scores = (inp.token_rewards * inp.response_mask).sum(-1)
     mean, std, _ = group_stats(scores, inp.group_ids)
     adv = scores - mean
-    if getattr(cfg, "norm_adv_by_std", True):
+    if params.norm_adv_by_std:
         adv = adv / (std + 1e-6)
     out = _broadcast(adv, inp.response_mask)
     return out, out
 
 
 @register_adv_est("drgrpo", needs=("group",))
-def drgrpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+def drgrpo(inp: AdvantageInputs, params: None) -> tuple[Tensor, Tensor]:
     r"""Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): :math:`s_i - \mathrm{mean}(s_g)`.
 
     Pair it with ``loss_agg_mode=seq-mean-token-sum-norm`` to remove the length bias as well.
@@ -85,7 +86,7 @@ def drgrpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
 
 
 @register_adv_est("rloo", needs=("group",))
-def rloo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+def rloo(inp: AdvantageInputs, params: None) -> tuple[Tensor, Tensor]:
     r"""RLOO leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024).
 
     .. math:: \hat A_i = s_i - \frac{1}{G-1}\sum_{j \ne i} s_j = \frac{G}{G-1}(s_i - \bar s_g)
@@ -98,7 +99,7 @@ def rloo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
 
 
 @register_adv_est("reinforce")
-def reinforce(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+def reinforce(inp: AdvantageInputs, params: None) -> tuple[Tensor, Tensor]:
     r"""REINFORCE with a baseline (Williams 1992): :math:`\hat A_i = s_i - \bar s` (batch mean).
 
     The seed text's "baseline" is any action-independent b(s); the batch mean is the simplest
@@ -120,21 +121,21 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     return out
 
 
-@register_adv_est("reinforce_pp")
-def reinforce_pp(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+@register_adv_est("reinforce_pp", params=ReturnParams)
+def reinforce_pp(inp: AdvantageInputs, params: ReturnParams) -> tuple[Tensor, Tensor]:
     r"""REINFORCE++ (Hu 2025): token returns, whitened over the whole batch.
 
     .. math:: G_t = \sum_{k \ge t}\gamma^{k-t} r_k,\quad \hat A_t = \frac{G_t - \mu_{batch}}{\sigma_{batch}}
 
     with :math:`r_k` the token rewards (score at the end, minus the per-token KL penalty when
-    ``use_kl_in_reward``). Mean and std run over every valid token of the batch.
+    ``algorithm.kl_reward.enable``). Mean and std run over every valid token of the batch.
     """
-    returns = discounted_returns(inp.token_rewards, inp.response_mask, getattr(cfg, "gamma", 1.0))
+    returns = discounted_returns(inp.token_rewards, inp.response_mask, params.gamma)
     return masked_whiten(returns, inp.response_mask), returns
 
 
 @register_adv_est("reinforce_pp_baseline", needs=("group",))
-def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+def reinforce_pp_baseline(inp: AdvantageInputs, params: None) -> tuple[Tensor, Tensor]:
     r"""REINFORCE++-baseline (Hu 2025): subtract the group mean score, then whiten over the batch.
 
     .. math:: \hat A_i = \mathrm{whiten}_{batch}(s_i - \bar s_{g(i)})
@@ -146,7 +147,7 @@ def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tenso
 
 
 @register_adv_est("remax", needs=("greedy_baseline",))
-def remax(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+def remax(inp: AdvantageInputs, params: None) -> tuple[Tensor, Tensor]:
     r"""ReMax (Li et al. 2023): the greedy answer's reward is the baseline.
 
     .. math:: \hat A_i = s_i - s(\text{greedy}(x_i))
@@ -186,14 +187,12 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, 
     return adv, returns
 
 
-@register_adv_est("gae", needs=("critic",))
-def gae(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+@register_adv_est("gae", needs=("critic",), params=GAEParams)
+def gae(inp: AdvantageInputs, params: GAEParams) -> tuple[Tensor, Tensor]:
     """PPO's GAE with a critic; advantages are whitened over the batch (returns are not)."""
     if inp.values is None:
         raise ValueError("gae needs values from a critic (set critic.enable=true)")
-    adv, returns = gae_advantages(
-        inp.token_rewards, inp.values, inp.response_mask, getattr(cfg, "gamma", 1.0), getattr(cfg, "lam", 1.0)
-    )
+    adv, returns = gae_advantages(inp.token_rewards, inp.values, inp.response_mask, params.gamma, params.lam)
     return masked_whiten(adv, inp.response_mask), returns
 
 
@@ -217,21 +216,21 @@ def gfpo_keep_mask(scores: Tensor, lengths: Tensor, group_ids: Tensor, keep: int
     return mask
 
 
-@register_adv_est("gfpo", needs=("group",))
-def gfpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+@register_adv_est("gfpo", needs=("group",), params=GFPOParams)
+def gfpo(inp: AdvantageInputs, params: GFPOParams) -> tuple[Tensor, Tensor]:
     r"""GFPO (Shrivastava et al. 2025, "Sample More to Think Less"): group filtering.
 
-    Sample a larger group, keep the ``cfg.gfpo_keep`` responses that rank best by
-    ``cfg.gfpo_metric``, and compute GRPO advantages with the kept subset's mean and std:
+    Sample a larger group, keep the ``params.gfpo.keep`` responses that rank best by
+    ``params.gfpo.metric``, and compute GRPO advantages with the kept subset's mean and std:
 
     .. math:: \hat A_i = \frac{s_i - \mathrm{mean}(s_{\mathcal K})}{\mathrm{std}(s_{\mathcal K})} [i \in \mathcal K],\qquad 0 \text{ otherwise}
     """
     scores = (inp.token_rewards * inp.response_mask).sum(-1)
     lengths = inp.response_mask.sum(-1)
-    keep = gfpo_keep_mask(scores, lengths, inp.group_ids, int(cfg.gfpo_keep), cfg.gfpo_metric)
+    keep = gfpo_keep_mask(scores, lengths, inp.group_ids, params.gfpo.keep, params.gfpo.metric)
     kept_groups = torch.where(keep, inp.group_ids, torch.full_like(inp.group_ids, -1))
     mean, std, _ = group_stats(scores, kept_groups)
-    adv = (scores - mean) / (std + 1e-6) if getattr(cfg, "norm_adv_by_std", True) else scores - mean
+    adv = (scores - mean) / (std + 1e-6) if params.norm_adv_by_std else scores - mean
     adv = torch.where(keep, adv, torch.zeros_like(adv))
     out = _broadcast(adv, inp.response_mask)
     return out, out

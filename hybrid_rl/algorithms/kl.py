@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hybrid_rl.algorithms.params import KLRewardSettings
+
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 
 
@@ -84,9 +86,10 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def make_kl_controller(kind: str, coef: float, target: float, horizon: int) -> FixedKLController | AdaptiveKLController:
-    if kind == "fixed":
-        return FixedKLController(coef)
-    if kind == "adaptive":
-        return AdaptiveKLController(coef, target, horizon)
-    raise ValueError(f"algorithm.kl_ctrl={kind!r} must be fixed or adaptive")
+def make_kl_controller(kl: KLRewardSettings) -> FixedKLController | AdaptiveKLController:
+    """The coefficient of the KL folded into the reward (``algorithm.kl_reward``)."""
+    if kl.ctrl == "fixed":
+        return FixedKLController(kl.coef)
+    if kl.ctrl == "adaptive":
+        return AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+    raise ValueError(f"algorithm.kl_reward.ctrl={kl.ctrl!r} must be fixed or adaptive")

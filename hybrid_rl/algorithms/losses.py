@@ -1,20 +1,19 @@
 """Policy losses (registered by name), loss aggregation, and the composed actor loss.
 
-A policy loss is ``fn(logprobs, old_logprobs, advantages, response_mask, cfg) -> (loss [B, R],
-metrics)``: a per-token loss, not yet reduced. Reduction is a weighted sum with weights from
+A policy loss is ``fn(logprobs, old_logprobs, advantages, response_mask, params) -> (loss [B, R],
+metrics)``, with ``params`` the dataclass it declared when it registered (or None): a per-token loss, not yet reduced. Reduction is a weighted sum with weights from
 :func:`agg_weights`, normalised over the *whole* mini-batch across ranks, so that splitting it
 into micro-batches (and ranks) changes nothing: ``sum_micro sum_{i,t} w_{i,t} l_{i,t}``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from hybrid_rl.algorithms.kl import kl_estimate
-from hybrid_rl.algorithms.registry import POLICY_LOSSES, register_policy_loss
+from hybrid_rl.algorithms.params import ActorLossSettings, ClipParams, CriticLossSettings
+from hybrid_rl.algorithms.registry import POLICY_LOSSES, bind_params, register_policy_loss
 from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 
 
@@ -56,8 +55,8 @@ def agg_loss(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None) 
     return (w * loss).sum()
 
 
-@register_policy_loss("ppo_clip")
-def ppo_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: Any) -> tuple[Tensor, dict]:
+@register_policy_loss("ppo_clip", params=ClipParams)
+def ppo_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: ClipParams) -> tuple[Tensor, dict]:
     r"""PPO clipped surrogate (Schulman et al. 2017) with decoupled clip and dual-clip.
 
     .. math::
@@ -71,13 +70,13 @@ def ppo_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    pg2 = -advantages * ratio.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     loss = torch.maximum(pg1, pg2)
     metrics = {
         "actor/pg_clipfrac": masked_mean((pg2 > pg1).float(), mask),
         "actor/ppo_kl": masked_mean(-log_ratio, mask),
     }
-    c = getattr(cfg, "clip_ratio_c", None)
+    c = params.clip_ratio_c
     if c is not None:
         dual = torch.minimum(loss, -advantages * c)
         neg = advantages < 0
@@ -86,8 +85,8 @@ def ppo_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
     return loss, metrics
 
 
-@register_policy_loss("gspo")
-def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: Any) -> tuple[Tensor, dict]:
+@register_policy_loss("gspo", params=ClipParams)
+def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: ClipParams) -> tuple[Tensor, dict]:
     r"""GSPO (Zheng et al. 2025): a sequence-level, length-normalised importance ratio, clipped per sequence.
 
     .. math::
@@ -104,7 +103,7 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tenso
     seq_ratio = torch.exp(seq_log_ratio.detach().clamp(max=10.0))[:, None]
     ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
     pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    pg2 = -advantages * ratio.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     loss = torch.maximum(pg1, pg2)
     seq_clipped = ((pg2 > pg1).float() * mask).amax(-1)
     has = (mask.sum(-1) > 0).float()
@@ -115,7 +114,7 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tenso
 
 
 @register_policy_loss("reinforce")
-def vanilla_pg(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: Any) -> tuple[Tensor, dict]:
+def vanilla_pg(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: None) -> tuple[Tensor, dict]:
     r"""Vanilla policy gradient :math:`L_t = -\hat A_t \log\pi_\theta(y_t)` (Williams 1992).
 
     No ratio and no clip: correct only on-policy (one optimizer step per rollout), where it has
@@ -141,7 +140,7 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, mo
     return w.clamp(max=cap).detach()
 
 
-def make_actor_loss(cfg: Any) -> LossFn:
+def make_actor_loss(cfg: ActorLossSettings) -> LossFn:
     r"""The actor's full loss for ``cfg`` (the ``algorithm`` config), for the engine to minimise.
 
     .. math:: L = \sum_{i,t} w_{it}\big(\mathrm{TIS}_{it}\,L^{pg}_{it} - c_H H_{it} + \beta\,\mathrm{KL}^{k}_{it}\big)
@@ -149,18 +148,20 @@ def make_actor_loss(cfg: Any) -> LossFn:
     with ``w`` the mini-batch's aggregation weights (``batch.loss_weights``).
     """
     policy_loss = POLICY_LOSSES[cfg.policy_loss]
+    params = bind_params(POLICY_LOSSES, cfg.policy_loss, cfg)
+    kl_loss, tis = cfg.kl_loss, cfg.tis
 
     def loss_fn(out: ModelOutputs, mb: TrainBatch) -> tuple[Tensor, dict]:
         mask = mb.response_mask
         old = mb.old_logprobs if mb.old_logprobs is not None else out.logprobs.detach()
-        pg, metrics = policy_loss(out.logprobs, old, mb.advantages, mask, cfg)
+        pg, metrics = policy_loss(out.logprobs, old, mb.advantages, mask, params)
         if mb.old_logprobs is None and mb.rollout_logprobs is not None:
             # exactly on-policy (no separate old-log-prob pass): the train/inference mismatch here
             metrics["rollout/logprob_diff_mean"] = masked_mean((old - mb.rollout_logprobs).abs(), mask)
-        if cfg.tis_mode != "none" and mb.rollout_logprobs is not None:
-            w = tis_weights(old, mb.rollout_logprobs, mask, cfg.tis_mode, cfg.tis_cap)
+        if tis.mode != "none" and mb.rollout_logprobs is not None:
+            w = tis_weights(old, mb.rollout_logprobs, mask, tis.mode, tis.cap)
             metrics["actor/tis_weight_mean"] = masked_mean(w, mask)
-            metrics["actor/tis_clipped_frac"] = masked_mean((w >= cfg.tis_cap).float(), mask)
+            metrics["actor/tis_clipped_frac"] = masked_mean((w >= tis.cap).float(), mask)
             pg = pg * w
         loss = pg
         metrics["actor/pg_loss"] = masked_mean(pg.detach(), mask)  # token mean; the engine weights by tokens
@@ -168,15 +169,15 @@ def make_actor_loss(cfg: Any) -> LossFn:
             metrics["actor/entropy"] = masked_mean(out.entropy.detach(), mask)
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * out.entropy
-        if cfg.use_kl_loss:
+        if kl_loss.enable:
             if mb.ref_logprobs is None:
-                raise ValueError("algorithm.use_kl_loss needs reference log-probs in the batch")
+                raise ValueError("algorithm.kl_loss.enable needs reference log-probs in the batch")
             # Untruncated on both sides: a top-k/top-p policy against the full-softmax reference
             # would give a KL > 0 at identical weights.
             policy = out.kl_logprobs if out.kl_logprobs is not None else out.logprobs
-            kl = kl_estimate(policy, mb.ref_logprobs, cfg.kl_loss_type)
+            kl = kl_estimate(policy, mb.ref_logprobs, kl_loss.type)
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-            loss = loss + cfg.kl_loss_coef * kl
+            loss = loss + kl_loss.coef * kl
         return (loss * mb.loss_weights).sum(), metrics
 
     return loss_fn
@@ -206,7 +207,7 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip
     return 0.5 * torch.maximum(err, (clipped - returns) ** 2)
 
 
-def make_critic_loss(cfg: Any) -> LossFn:
+def make_critic_loss(cfg: CriticLossSettings) -> LossFn:
     """The critic's loss for the ``critic`` config: clipped value loss times ``value_loss_coef``."""
 
     def loss_fn(out: ModelOutputs, mb: TrainBatch) -> tuple[Tensor, dict]:

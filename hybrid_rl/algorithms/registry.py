@@ -8,7 +8,8 @@ never branches on algorithm names. Looking up an unknown name lists the known on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import fields
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -17,7 +18,7 @@ F = TypeVar("F", bound=Callable)
 # trainer read these instead of lists of names.
 #   group:           rollout.n >= 2 (a group baseline; with n = 1 every advantage is 0)
 #   critic:          critic.enable (values V(s_t))
-#   greedy_baseline: algorithm.greedy_baseline (the greedy answer's reward per prompt)
+#   greedy_baseline: the greedy answer's reward per prompt (the rollout then also generates it)
 NEEDS = frozenset({"group", "critic", "greedy_baseline"})
 
 
@@ -28,8 +29,11 @@ class Registry(dict[str, Callable]):
         super().__init__()
         self.kind = kind
         self.needs: dict[str, frozenset[str]] = {}
+        self.params: dict[str, type | None] = {}
 
-    def register(self, name: str, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
+    def register(self, name: str, needs: tuple[str, ...] = (), params: type | None = None) -> Callable[[F], F]:
+        """Register ``fn`` under ``name``; ``params`` is the dataclass of the parameters it reads
+        (:mod:`hybrid_rl.algorithms.params`), bound from the ``algorithm`` config by :func:`bind_params`."""
         unknown = set(needs) - NEEDS
         if unknown:
             raise ValueError(f"{self.kind} {name!r}: unknown needs {sorted(unknown)}; known: {sorted(NEEDS)}")
@@ -39,12 +43,30 @@ class Registry(dict[str, Callable]):
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self[name] = fn
             self.needs[name] = frozenset(needs)
+            self.params[name] = params
             return fn
 
         return deco
 
     def __missing__(self, name: str) -> Callable:
         raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self))}")
+
+
+def bind_params(registry: Registry, name: str, section: Any) -> Any:
+    """The parameters ``registry[name]`` declared, read from ``section`` (the ``algorithm``
+    config: a dataclass or OmegaConf node), or None when it declared none. Each field takes the
+    section's attribute of the same name, a plain value or a whole sub-section."""
+    cls = registry.params.get(name) if name in registry else registry[name]  # unknown: the error lists the names
+    if cls is None:
+        return None
+    return cls(**{f.name: _plain(getattr(section, f.name)) for f in fields(cls)})
+
+
+def _plain(value: Any) -> Any:
+    """A sub-section as its dataclass (OmegaConf's structured node becomes the object it types)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_object(value) if isinstance(value, DictConfig) else value
 
 
 ADV_ESTIMATORS = Registry("advantage estimator")

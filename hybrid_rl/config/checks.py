@@ -147,16 +147,15 @@ def _rl_algorithm(cfg: Any) -> list[str]:
          f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
          " (with one sample per prompt every advantage is 0)"),
         ("critic" in needs and not cfg.critic.enable, f"algorithm.adv_estimator={a.adv_estimator} needs a critic: set critic.enable=true"),
-        ("greedy_baseline" in needs and not a.greedy_baseline,
-         f"algorithm.adv_estimator={a.adv_estimator} needs algorithm.greedy_baseline=true"),
         (not 0 < a.clip_ratio_low < 1 or a.clip_ratio_high <= 0,
          "algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0"),
         (a.clip_ratio_c is not None and a.clip_ratio_c <= 1, f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)"),
-        (a.adv_estimator == "gfpo" and not 2 <= a.gfpo_keep <= r.n, f"algorithm.gfpo_keep={a.gfpo_keep} must be in [2, rollout.n={r.n}]"),
-        (a.overlong_buffer < 0 or a.overlong_buffer >= r.max_response_length,
-         f"algorithm.overlong_buffer={a.overlong_buffer} must be in [0, rollout.max_response_length)"),
-        (a.filter_groups and a.filter_metric == "acc" and not cfg.reward.functions,
-         "algorithm.filter_metric=acc needs reward.functions (the rule-based score it filters on); use filter_metric=score"),
+        ("gfpo" in reg.param_fields("adv_estimator", a.adv_estimator) and not 2 <= a.gfpo.keep <= r.n,
+         f"algorithm.gfpo.keep={a.gfpo.keep} must be in [2, rollout.n={r.n}]"),
+        (a.overlong.buffer < 0 or a.overlong.buffer >= r.max_response_length,
+         f"algorithm.overlong.buffer={a.overlong.buffer} must be in [0, rollout.max_response_length)"),
+        (a.filter_groups.enable and a.filter_groups.metric == "acc" and not cfg.reward.functions,
+         "algorithm.filter_groups.metric=acc needs reward.functions (the rule-based score it filters on); use metric=score"),
         # Without an importance ratio every update after the first is off-policy and uncorrected.
         (a.policy_loss == "reinforce" and several_updates,
          f"algorithm.policy_loss=reinforce has no importance ratio: it needs actor.epochs=1 (got {act.epochs}) and one "

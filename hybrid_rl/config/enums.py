@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+# The algorithm's closed sets live with the functions that read them (below the config layer).
+from hybrid_rl.algorithms.params import FilterMetric, GFPOMetric, KLControl, KLEstimator, TISMode
+
 
 class Task(StrEnum):
     rl = "rl"
@@ -79,39 +82,6 @@ class OptimizerImpl(StrEnum):
     foreach = "foreach"
 
 
-class KLEstimator(StrEnum):
-    """Schulman's k1/k2/k3 estimators of KL(pi || ref) and |log r| (:mod:`hybrid_rl.algorithms.kl`)."""
-
-    k1 = "k1"
-    k2 = "k2"
-    k3 = "k3"
-    abs = "abs"
-
-
-class KLControl(StrEnum):
-    fixed = "fixed"
-    adaptive = "adaptive"
-
-
-class GFPOMetric(StrEnum):
-    length = "length"
-    reward_per_token = "reward_per_token"
-
-
-class TISMode(StrEnum):
-    none = "none"
-    token = "token"
-    sequence = "sequence"
-
-
-class FilterMetric(StrEnum):
-    """What DAPO's dynamic sampling compares within a group: ``acc`` (the verifier's score, as
-    DAPO and verl's ``filter_groups.metric=acc``) or ``score`` (the shaped training reward)."""
-
-    acc = "acc"
-    score = "score"
-
-
 class RMLoss(StrEnum):
     pairwise = "pairwise"
     margin = "margin"
@@ -128,3 +98,25 @@ class LoggerBackend(StrEnum):
     jsonl = "jsonl"
     wandb = "wandb"
     mlflow = "mlflow"
+
+
+__all__ = [
+    "DType",
+    "Device",
+    "FilterMetric",
+    "GFPOMetric",
+    "GradAccumulation",
+    "KLControl",
+    "KLEstimator",
+    "LRSchedule",
+    "LoggerBackend",
+    "OptimizerImpl",
+    "RMLoss",
+    "RecomputeOld",
+    "ReduceDType",
+    "SyncTransport",
+    "TISMode",
+    "Task",
+    "ToolParser",
+    "Truncation",
+]  # fmt: skip

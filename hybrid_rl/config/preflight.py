@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 def preflight(cfg: Any, world_size: int, required: list[str] | None = None, notes: list[str] | None = None) -> list[str]:
     """Every problem of the composed ``cfg`` (a DictConfig) on ``world_size`` ranks, as one message
     each; what the run will go on with but should say (changed settings on resume) goes to ``notes``."""
-    found = list(required or [])
+    found = list(required or []) + [renamed_key(k) or f"{k} is not a key of the schema" for k in added_keys(cfg)]
     try:
         typed = OmegaConf.to_object(cfg)
     except Exception as e:  # a ??? no recipe set, or a value the schema refuses
@@ -55,6 +56,29 @@ def preflight(cfg: Any, world_size: int, required: list[str] | None = None, note
     return list(dict.fromkeys(found))
 
 
+def added_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys a ``+key=value`` override added to a typed section: Hydra opens the struct for
+    ``+``, and the typed object then drops the key, so a typo there would be silently ignored."""
+    from dataclasses import fields, is_dataclass
+
+    from omegaconf import DictConfig, ListConfig
+
+    out = []
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            out += added_keys(item, f"{prefix}[{i}]")
+    elif isinstance(node, DictConfig):
+        schema = OmegaConf.get_type(node)
+        known = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+        for key in node.keys():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if known is not None and key not in known:
+                out.append(name)
+            else:
+                out += added_keys(node._get_node(key), name)
+    return out
+
+
 def one_line_error(exc: BaseException) -> str:
     """Hydra/OmegaConf errors span several lines; keep what names the key and why."""
     text = str(exc)
@@ -67,7 +91,25 @@ def one_line_error(exc: BaseException) -> str:
     msg = " ".join(keep)
     if full_key and full_key not in msg:
         msg = f"{msg} (key: {full_key})"
-    return msg
+    return renamed_key(text) or msg
+
+
+def renamed_key(text: str) -> str | None:
+    """The line for an error about a key that moved or went away (:data:`MOVED_KEYS`), else None."""
+    import typing
+
+    from hybrid_rl.config.training import MOVED_KEYS, REMOVED_KEYS, AlgorithmConfig
+
+    keys = re.findall(r"algorithm\.\w+(?![\w.])", text)
+    # A plain value where a section now is, from a file: the error names only the section's type.
+    sections = {tp.__name__: f"algorithm.{name}" for name, tp in typing.get_type_hints(AlgorithmConfig).items() if isinstance(tp, type)}
+    keys += [sections[t] for t in re.findall(r"is not a subclass of (\w+)", text) if t in sections]
+    for old in keys:
+        if old in MOVED_KEYS:
+            return f"{old} is now {MOVED_KEYS[old]}"
+        if old in REMOVED_KEYS:
+            return f"{old} was removed: {REMOVED_KEYS[old]}"
+    return None
 
 
 def required_problems(config_name: str, overrides: list[str]) -> list[str]:

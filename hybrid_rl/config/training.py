@@ -6,59 +6,80 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybrid_rl.config.enums import Device, FilterMetric, GFPOMetric, KLControl, KLEstimator, LoggerBackend, RMLoss, Task, TISMode
+from hybrid_rl.algorithms.params import (
+    FilterGroupsSettings,
+    GFPOSettings,
+    KLLossSettings,
+    KLRewardSettings,
+    OverlongSettings,
+    TISSettings,
+)
+from hybrid_rl.config.enums import Device, LoggerBackend, RMLoss, Task
 
 
 @dataclass
 class AlgorithmConfig:
-    # Advantage estimator (registry): grpo, drgrpo, rloo, reinforce, reinforce_pp, reinforce_pp_baseline, remax, gae
+    """How the policy learns from a rollout: the estimator and loss by name, their declared
+    parameters (top-level keys), and one section per concern (KL loss, KL reward, DAPO's group
+    filter and overlong shaping, GFPO, TIS). The sections' types live in
+    :mod:`hybrid_rl.algorithms.params`, beside the functions that read them; a key that moved
+    into a section is named by the error its old spelling gets (:data:`MOVED_KEYS`)."""
+
+    # Advantage estimator (registry): grpo, drgrpo, rloo, reinforce, reinforce_pp,
+    # reinforce_pp_baseline, remax (generates the greedy baseline it needs), gae, gfpo
     adv_estimator: str = "grpo"
-    # GRPO: divide by the group's std (False = Dr.GRPO).
-    norm_adv_by_std: bool = True
     # Policy loss (registry): ppo_clip, gspo, reinforce
     policy_loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    # Dual-clip bound c for negative advantages (Ye et al. 2020); null disables.
-    clip_ratio_c: float | None = 3.0
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_mode: str = "token-mean"
+    # Entropy bonus coefficient c_H (the loss subtracts c_H x the token entropy).
     entropy_coeff: float = 0.0
-    # KL to the reference policy as a loss term (GRPO style).
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: KLEstimator = KLEstimator.k3
-    # KL to the reference folded into the token reward (RLHF-PPO style).
-    use_kl_in_reward: bool = False
-    kl_penalty: KLEstimator = KLEstimator.k1
-    kl_coef: float = 0.001
-    # fixed | adaptive (Ziegler et al. 2019)
-    kl_ctrl: KLControl = KLControl.fixed
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
+    # Estimator parameter (grpo, gfpo): divide by the group's std (False = Dr.GRPO).
+    norm_adv_by_std: bool = True
+    # Estimator parameter (reinforce_pp, gae): the discount.
     gamma: float = 1.0
+    # Estimator parameter (gae): GAE's lambda.
     lam: float = 1.0
-    # DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts until
-    # data.train_batch_size x rollout.n samples are kept, for at most max_gen_rounds batches.
-    filter_groups: bool = False
-    max_gen_rounds: int = 3
-    # What a group must vary in to be kept: acc (the verifier's 0/1 score, as DAPO and verl's
-    # filter_groups.metric=acc) | score (the shaped training reward: overlong penalty, learned reward).
-    filter_metric: FilterMetric = FilterMetric.acc
-    # DAPO overlong reward shaping: responses within `overlong_buffer` tokens of
-    # rollout.max_response_length lose up to `overlong_penalty_factor` linearly (0 = off);
-    # mask_truncated drops responses cut at the length limit from the loss.
-    overlong_buffer: int = 0
-    overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = False
-    # ReMax: also generate the greedy answer per prompt; its reward is the baseline.
-    greedy_baseline: bool = False
-    # GFPO: keep the best `gfpo_keep` of each group by `gfpo_metric` (length | reward_per_token).
-    gfpo_keep: int = 4
-    gfpo_metric: GFPOMetric = GFPOMetric.length
-    # Truncated importance sampling between rollout-engine and trainer log-probs: none | token | sequence.
-    tis_mode: TISMode = TISMode.none
-    tis_cap: float = 2.0
+    # Policy-loss parameter (ppo_clip, gspo): the ratio's lower clip, 1 - clip_ratio_low.
+    clip_ratio_low: float = 0.2
+    # Policy-loss parameter (ppo_clip, gspo): the upper clip, 1 + clip_ratio_high (DAPO clip-higher: > low).
+    clip_ratio_high: float = 0.2
+    # Policy-loss parameter (ppo_clip): dual-clip bound c for negative advantages (Ye et al. 2020); null = off.
+    clip_ratio_c: float | None = 3.0
+    kl_loss: KLLossSettings = field(default_factory=KLLossSettings)
+    kl_reward: KLRewardSettings = field(default_factory=KLRewardSettings)
+    filter_groups: FilterGroupsSettings = field(default_factory=FilterGroupsSettings)
+    overlong: OverlongSettings = field(default_factory=OverlongSettings)
+    gfpo: GFPOSettings = field(default_factory=GFPOSettings)
+    tis: TISSettings = field(default_factory=TISSettings)
+
+
+# Keys of `algorithm` that moved into a section (old -> new), and one that went away: the error a
+# recipe or command line with the old spelling gets names the new key (config.preflight.one_line_error).
+MOVED_KEYS = {
+    "algorithm.use_kl_loss": "algorithm.kl_loss.enable",
+    "algorithm.kl_loss_coef": "algorithm.kl_loss.coef",
+    "algorithm.kl_loss_type": "algorithm.kl_loss.type",
+    "algorithm.use_kl_in_reward": "algorithm.kl_reward.enable",
+    "algorithm.kl_penalty": "algorithm.kl_reward.penalty",
+    "algorithm.kl_coef": "algorithm.kl_reward.coef",
+    "algorithm.kl_ctrl": "algorithm.kl_reward.ctrl",
+    "algorithm.kl_target": "algorithm.kl_reward.target",
+    "algorithm.kl_horizon": "algorithm.kl_reward.horizon",
+    "algorithm.filter_groups": "algorithm.filter_groups.enable",
+    "algorithm.max_gen_rounds": "algorithm.filter_groups.max_gen_rounds",
+    "algorithm.filter_metric": "algorithm.filter_groups.metric",
+    "algorithm.overlong_buffer": "algorithm.overlong.buffer",
+    "algorithm.overlong_penalty_factor": "algorithm.overlong.penalty_factor",
+    "algorithm.mask_truncated": "algorithm.overlong.mask_truncated",
+    "algorithm.gfpo_keep": "algorithm.gfpo.keep",
+    "algorithm.gfpo_metric": "algorithm.gfpo.metric",
+    "algorithm.tis_mode": "algorithm.tis.mode",
+    "algorithm.tis_cap": "algorithm.tis.cap",
+}
+REMOVED_KEYS = {
+    "algorithm.greedy_baseline": "adv_estimator=remax generates the greedy baseline it declares it needs",
+}
 
 
 @dataclass

@@ -173,7 +173,7 @@ def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_pat
         log.info(val_report.summary("data.val_files", d.max_prompt_length))
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
     actor = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True, lora_seed=cfg.trainer.seed)
-    ref = build_reference(cfg, ctx, model_path, actor) if a.use_kl_loss or a.use_kl_in_reward else None
+    ref = build_reference(cfg, ctx, model_path, actor) if a.kl_loss.enable or a.kl_reward.enable else None
     critic = build_value_engine(model_path, cfg.model, cfg.critic, cfg.actor, ctx, steps) if cfg.critic.enable else None
     engine = build_rollout_engine(model_path, cfg, ctx, max_model_len(cfg, model_path), cfg.trainer.seed)
     r = cfg.rollout

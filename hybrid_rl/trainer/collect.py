@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty, whole_groups
+from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, collate
 from hybrid_rl.data.dataset import PromptSampler
 from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, raise_if_any_failed
@@ -116,7 +117,7 @@ class RolloutCollector:
             rollout = self.agent_loop().run(prompts, spec, offset, version)
         else:
             rollout = sample_groups(self.engine, prompts, offset, spec, version)
-        if self.cfg.algorithm.greedy_baseline:
+        if "greedy_baseline" in ADV_ESTIMATORS.needs[self.cfg.algorithm.adv_estimator]:
             self.add_greedy_baseline(prompts, rollout)
         if self.tp > 1:
             rollout.samples = rollout.samples[self.ctx.rank % self.tp :: self.tp]
@@ -167,7 +168,7 @@ class RolloutCollector:
         rollout.stats["rollout/greedy_baseline_mean"] = sum(g.score for g in greedy.samples) / len(greedy.samples)
 
     def collect(self, step_idx: int, timer: PhaseTimer, m: dict[str, float]) -> Rollout:
-        """Generate and score; with ``algorithm.filter_groups`` keep drawing batches until enough
+        """Generate and score; with ``algorithm.filter_groups.enable`` keep drawing batches until enough
         informative groups are collected (DAPO dynamic sampling), then deal them out to ranks.
         ``step_idx`` is the number of finished steps (it keys the sampling seeds)."""
         self.step_idx = step_idx
@@ -182,7 +183,7 @@ class RolloutCollector:
         except Exception as e:  # RewardFailure too: every rank must learn of it, or the others hang
             error = e
         raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
-        if not a.filter_groups:
+        if not a.filter_groups.enable:
             return rollout
         target = self.cfg.data.train_batch_size * self.cfg.rollout.n
         kept, drawn, rounds = [], 0, 0
@@ -192,11 +193,11 @@ class RolloutCollector:
             drawn += len({s.group for s in everyone})
             # DAPO filters on accuracy (verl's filter_groups.metric=acc): a group right in every
             # answer but differing only in the overlong penalty has nothing to teach but length.
-            values = [s.acc if a.filter_metric == "acc" else s.score for s in everyone]
+            values = [s.acc if a.filter_groups.metric == "acc" else s.score for s in everyone]
             mask = informative_groups(torch.tensor(values), torch.tensor([s.group for s in everyone]))
             kept += [s for s, k in zip(everyone, mask.tolist(), strict=True) if k]
             rounds += 1
-            if len(kept) >= target or rounds >= a.max_gen_rounds:
+            if len(kept) >= target or rounds >= a.filter_groups.max_gen_rounds:
                 break
             with timer.phase("generate"):
                 extra = self.generate(self.next_prompts(), round_idx=rounds)
@@ -234,8 +235,8 @@ class RolloutCollector:
         penalty = overlong_penalty(
             torch.tensor([sum(s.response_mask) for s in samples]),
             self.response_budget,
-            a.overlong_buffer,
-            a.overlong_penalty_factor,
+            a.overlong.buffer,
+            a.overlong.penalty_factor,
         )
         learned, members, z = self.score_with_reward_models(samples)
         for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):

@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 from hybrid_rl.algorithms.advantages import AdvantageInputs
 from hybrid_rl.algorithms.kl import kl_estimate, kl_in_reward, make_kl_controller
 from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, make_critic_loss, masked_mean
-from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
+from hybrid_rl.algorithms.registry import ADV_ESTIMATORS, bind_params
 from hybrid_rl.batch import Rollout, TrainBatch, collate
+from hybrid_rl.config import AlgorithmConfig
 from hybrid_rl.dist import DistContext, all_reduce_sum, barrier, gather_rows
 from hybrid_rl.engine.heads import Sampling
 from hybrid_rl.errors import NumericalError
@@ -67,11 +68,12 @@ class RLTrainer:
             cfg, ctx, parts.rollout_engine, parts.switch, parts.tokenizer, parts.tools, parts.train_records, parts.sampler,
             parts.reward_pool, parts.reward_models,
         )  # fmt: skip
-        a = cfg.algorithm
+        a: AlgorithmConfig = OmegaConf.to_object(cfg.algorithm)  # the typed section the algorithm's parts read
         self.critic_loss_fn = make_critic_loss(cfg.critic) if parts.critic is not None else None
-        self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
+        self.kl_ctrl = make_kl_controller(a.kl_reward)
         self.loss_fn = make_actor_loss(a)
         self.adv_fn = ADV_ESTIMATORS[a.adv_estimator]
+        self.adv_params = bind_params(ADV_ESTIMATORS, a.adv_estimator, a)
         self.throughput = Throughput(parts.actor, cfg.actor.epochs, cfg.data.max_prompt_length)
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         made_from = {"model": model_identity(cfg.model), "model_dir": str(Path(parts.model_path).resolve()), "config": resolved}
@@ -160,11 +162,11 @@ class RLTrainer:
         return Sampling(r.temperature, r.top_k, r.top_p)
 
     def make_batch(self, rollout: Rollout) -> TrainBatch:
-        """Collate; with ``algorithm.mask_truncated`` remember which rows were cut at the length
+        """Collate; with ``algorithm.overlong.mask_truncated`` remember which rows were cut at the length
         limit. They are masked out of the *loss* only, after the advantages: their true scores
         still enter their group's mean and std (masking first turned a truncated -1 into a 0)."""
         batch = collate(rollout.samples, self.tokenizer.pad_token_id, rollout.weights_version)
-        if self.cfg.algorithm.mask_truncated:  # DAPO overlong filtering: cut-off answers teach nothing
+        if self.cfg.algorithm.overlong.mask_truncated:  # DAPO overlong filtering: cut-off answers teach nothing
             batch.truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
         return batch
 
@@ -176,8 +178,8 @@ class RLTrainer:
             act.recompute_old_logprobs == "auto"
             and act.epochs == 1
             and act.mini_batch_size == 0
-            and a.tis_mode == "none"
-            and not a.use_kl_in_reward
+            and a.tis.mode == "none"
+            and not a.kl_reward.enable
         )
 
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, float]:
@@ -207,19 +209,19 @@ class RLTrainer:
         """Token rewards (KL folded in if configured), then the registered estimator on the global batch."""
         a = self.cfg.algorithm
         kl = None
-        if a.use_kl_in_reward:
-            kl = kl_estimate(kl_side(batch), batch.ref_logprobs, a.kl_penalty)
+        if a.kl_reward.enable:
+            kl = kl_estimate(kl_side(batch), batch.ref_logprobs, a.kl_reward.penalty)
         batch.token_rewards = kl_in_reward(batch.scores, batch.response_mask, kl, self.kl_ctrl.value)
         fields = {"token_rewards": batch.token_rewards, "response_mask": batch.response_mask, "group_ids": batch.group_ids}
         if batch.values is not None:
             fields["values"] = batch.values
-        if a.greedy_baseline:
+        if "greedy_baseline" in ADV_ESTIMATORS.needs[a.adv_estimator]:
             fields["baseline_scores"] = batch.baseline_scores
         glob, mine = gather_rows(fields)
         inputs = AdvantageInputs(
             glob["token_rewards"], glob["response_mask"], glob["group_ids"], glob.get("values"), glob.get("baseline_scores")
         )
-        adv, returns = self.adv_fn(inputs, a)
+        adv, returns = self.adv_fn(inputs, self.adv_params)
         width = batch.response_mask.shape[1]
         batch.advantages = adv[mine, :width].contiguous()
         batch.returns = returns[mine, :width].contiguous()

@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = [
     "+recipe=grpo_math_lora",
     "+overlay=ci_tiny",
-    "algorithm.filter_groups=false",
+    "algorithm.filter_groups.enable=false",
     "trainer.nproc_per_node=2",
     "trainer.save_every=1",
     "actor.lr=2e-2",
-    "algorithm.use_kl_loss=true",
-    "algorithm.kl_loss_coef=0.01",
+    "algorithm.kl_loss.enable=true",
+    "algorithm.kl_loss.coef=0.01",
     f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'learning' / 'digit_reward.py'}, function: score}}]",
 ]
 COMPARED = ["critic/score/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "weights_version"]

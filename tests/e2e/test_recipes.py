@@ -28,7 +28,7 @@ RECIPES = {
     "grpo_math": ["trainer.profile_steps=[2]"],
     "dapo_math": [],
     "gspo_math": [],
-    "gfpo_math": ["rollout.n=8", "algorithm.gfpo_keep=4"],
+    "gfpo_math": ["rollout.n=8", "algorithm.gfpo.keep=4"],
     "rloo_math": [],
     "drgrpo_math": [],
     "reinforce_math": [],
@@ -194,8 +194,8 @@ def test_rlhf_ppo_with_a_learned_reward_model(tmp_path):
 
 # top-k / top-p sampling with KL in the reward, a KL loss and the adaptive controller
 TRUNCATED = [
-    "rollout.top_k=20", "rollout.top_p=0.9", "algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=true",
-    "algorithm.kl_ctrl=adaptive", "trainer.total_steps=3",
+    "rollout.top_k=20", "rollout.top_p=0.9", "algorithm.kl_reward.enable=true", "algorithm.kl_loss.enable=true",
+    "algorithm.kl_reward.ctrl=adaptive", "trainer.total_steps=3",
 ]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from hybrid_rl.algorithms.kl import make_kl_controller  # noqa: E402
 from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss  # noqa: E402
+from hybrid_rl.algorithms.params import GroupNormParams, KLRewardSettings  # noqa: E402
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS  # noqa: E402
 from hybrid_rl.batch import Sample, collate  # noqa: E402
 from hybrid_rl.config import LOSS_AGG_MODES, ActorConfig, AlgorithmConfig, ModelConfig  # noqa: E402
@@ -159,11 +160,12 @@ def gather_transports(ctx, path: str) -> dict[str, float]:
 
 
 def kl_controller(ctx) -> list[float]:
-    a = SimpleNamespace(use_kl_in_reward=True, greedy_baseline=False, norm_adv_by_std=True, kl_penalty="k1")
+    a = AlgorithmConfig(kl_reward=KLRewardSettings(enable=True, penalty="k1", coef=0.1, ctrl="adaptive", target=0.01, horizon=10))
     stub = SimpleNamespace(
         cfg=SimpleNamespace(algorithm=a),
-        kl_ctrl=make_kl_controller("adaptive", 0.1, 0.01, 10),
+        kl_ctrl=make_kl_controller(a.kl_reward),
         adv_fn=ADV_ESTIMATORS["grpo"],
+        adv_params=GroupNormParams(),
         ctx=ctx,
     )
     samples = fixed_batch()[:4]

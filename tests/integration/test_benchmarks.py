@@ -53,11 +53,11 @@ CASES = {
 }
 SLOW = {
     "real_size_grpo": ["--preset", "micro", "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--name", "real_size_grpo"],
-    "preload": ["--steps", "3", "--repeats", "1", "--modes", "none,auto", "--extra", "+overlay=ci_tiny", "model.preset=micro", "algorithm.filter_groups=false"],
+    "preload": ["--steps", "3", "--repeats", "1", "--modes", "none,auto", "--extra", "+overlay=ci_tiny", "model.preset=micro", "algorithm.filter_groups.enable=false"],
     "vs_trl": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "2", "--trl-precision", "fp32",
                "--name", "vs_trl"],
     "precision": ["--steps", "3", "--repeats", "1", "--gemm", "256", "--extra", "+overlay=ci_tiny", "model.preset=micro",
-                  "algorithm.filter_groups=false"],
+                  "algorithm.filter_groups.enable=false"],
     "lora": ["--presets", "micro", "--steps", "3", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--kv-cache-gib", "0.125"],
     "compare_algorithms": [
         "--steps",

@@ -259,11 +259,10 @@ def test_trainer_logprobs_match_vllm_sampler_logprobs_after_a_sync(
 def test_truncated_sampling_on_short_rows_stays_finite(ctx, micro_path, loss_name):
     """top-k: a padding target after a short row is outside the kept set. Its log-prob was -inf,
     and -inf x 0 made the old log-probs NaN and GSPO's sequence ratio (so its loss) NaN."""
-    from types import SimpleNamespace
-
     from transformers import AutoModelForCausalLM
 
     from hybrid_rl.algorithms.losses import make_actor_loss
+    from hybrid_rl.config import AlgorithmConfig
     from hybrid_rl.engine.heads import Sampling
 
     engine = _engine(ctx, micro_path, micro=6)
@@ -282,10 +281,7 @@ def test_truncated_sampling_on_short_rows_stays_finite(ctx, micro_path, loss_nam
     batch.old_logprobs = out.logprobs
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.response_mask
     batch.loss_weights = agg_weights(batch.response_mask, "token-mean", float(batch.response_mask.sum()), 6.0)
-    cfg = SimpleNamespace(
-        policy_loss=loss_name, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tis_mode="none",
-        entropy_coeff=0.0, use_kl_loss=False,
-    )  # fmt: skip
+    cfg = AlgorithmConfig(policy_loss=loss_name)
     m = engine.train_batch(batch, make_actor_loss(cfg), top_k)
     assert all(math.isfinite(v) for v in m.values()), m
     assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0

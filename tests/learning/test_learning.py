@@ -18,7 +18,7 @@ DIGITS = ROOT / "tests" / "learning" / "digit_reward.py"
 COMMON = [
     "+overlay=ci_tiny",
     "data.train_size=0",  # every prompt, as when the figures below were measured
-    "algorithm.filter_groups=false",
+    "algorithm.filter_groups.enable=false",
     "trainer.nproc_per_node=2",
     "data.train_batch_size=8",
     "rollout.n=8",
@@ -55,8 +55,8 @@ def test_grpo_off_policy_update_with_clip_tis_and_kl_raises_the_reward(tmp_path)
     clip acts), token-level TIS against the rollout engine's log-probs (a bf16 engine under an fp32
     trainer, the mismatch TIS exists for), and a KL loss to the reference. It must still learn,
     with the clip, the TIS weights and the KL all active."""
-    rows = train(tmp_path, "grpo_math", "actor.epochs=2", "actor.mini_batch_size=32", "algorithm.tis_mode=token",
-                 "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01", "rollout.dtype=bfloat16",
+    rows = train(tmp_path, "grpo_math", "actor.epochs=2", "actor.mini_batch_size=32", "algorithm.tis.mode=token",
+                 "algorithm.kl_loss.enable=true", "algorithm.kl_loss.coef=0.01", "rollout.dtype=bfloat16",
                  "actor.param_dtype=float32")  # fmt: skip
     assert_learns(rows)
     assert [r["actor/optimizer_steps"] for r in rows] == [4.0] * len(rows)
@@ -76,7 +76,7 @@ def test_lora_grpo_raises_the_reward(tmp_path):
     active (a reference that kept the adapters on would give 0), and each sync must move the
     adapters only. Measured: 0.013 -> 0.233 in 12 steps (lr 2e-2; rank-16 adapters on the
     random-init tiny model plateau near 0.24, where the full fine-tune reaches 0.68)."""
-    rows = train(tmp_path, "grpo_math_lora", "actor.lr=2e-2", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01")
+    rows = train(tmp_path, "grpo_math_lora", "actor.lr=2e-2", "algorithm.kl_loss.enable=true", "algorithm.kl_loss.coef=0.01")
     rewards = [r["critic/score/mean"] for r in rows]
     start, end = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     assert end > start + 0.15, f"reward did not rise: {[round(x, 3) for x in rewards]}"

@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "recipes" / "slurm" / "multi_node.sbatch"
-OVERRIDES = ["+overlay=ci_tiny", "algorithm.filter_groups=false", "trainer.save_every=1", "trainer.total_steps=4"]
+OVERRIDES = ["+overlay=ci_tiny", "algorithm.filter_groups.enable=false", "trainer.save_every=1", "trainer.total_steps=4"]
 
 SRUN = """#!/bin/bash
 # srun shim: run the command once per node (SLURM_NNODES), like --ntasks-per-node=1.

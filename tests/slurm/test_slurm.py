@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "recipes" / "slurm" / "single_node.sbatch"
 OVERRIDES = [
     "+overlay=ci_tiny",
-    "algorithm.filter_groups=false",
+    "algorithm.filter_groups.enable=false",
     "trainer.save_every=1",
 ]
 

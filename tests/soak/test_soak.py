@@ -29,7 +29,7 @@ def test_long_grpo_run_stays_flat(tmp_path):
         f"trainer.output_dir={tmp_path}", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
         "trainer.val_before_train=false", "trainer.save_every=50", "trainer.keep_last=1", "logger.progress_bar=false",
         "data.train_batch_size=8", "rollout.n=4", "rollout.max_response_length=32", "rollout.val_pass_k=0",
-        "algorithm.filter_groups=false", "actor.micro_batch_size=32",
+        "algorithm.filter_groups.enable=false", "actor.micro_batch_size=32",
     ]  # fmt: skip
     start = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=3000)

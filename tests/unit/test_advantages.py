@@ -7,10 +7,11 @@ import torch
 
 from hybrid_rl.algorithms.advantages import AdvantageInputs, gae_advantages, group_stats, masked_whiten
 from hybrid_rl.algorithms.kl import kl_in_reward
+from hybrid_rl.algorithms.params import GFPOParams, GFPOSettings
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 
 pytestmark = pytest.mark.unit
-CFG = SimpleNamespace(norm_adv_by_std=True, gamma=1.0, lam=1.0)
+CFG = SimpleNamespace(norm_adv_by_std=True, gamma=1.0, lam=1.0)  # every estimator's declared params read from it
 
 
 def inputs(scores, groups, lengths, r=4, values=None, baseline=None):
@@ -161,7 +162,7 @@ def test_gfpo_keeps_shortest_and_uses_kept_stats():
     inp = inputs(scores, [0, 0, 0, 0], [3, 1, 2, 4])
     keep = gfpo_keep_mask(torch.tensor(scores), inp.response_mask.sum(-1), inp.group_ids, 2, "length")
     assert keep.tolist() == [False, True, True, False]
-    adv, _ = ADV_ESTIMATORS["gfpo"](inp, SimpleNamespace(gfpo_keep=2, gfpo_metric="length", norm_adv_by_std=True))
+    adv, _ = ADV_ESTIMATORS["gfpo"](inp, GFPOParams(norm_adv_by_std=True, gfpo=GFPOSettings(keep=2, metric="length")))
     s = 0.5 / (2**0.5 / 2 + 1e-6)  # kept scores 0, 1: mean .5, unbiased std .7071
     assert adv[1, 0].item() == pytest.approx(-s, abs=1e-5)
     assert adv[2, 0].item() == pytest.approx(s, abs=1e-5)

@@ -9,6 +9,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hybrid_rl.config import ConfigError, register_configs, validate
+from hybrid_rl.config.preflight import preflight
+from hybrid_rl.config.training import MOVED_KEYS
 from hybrid_rl.main import one_line_error
 
 pytestmark = pytest.mark.unit
@@ -75,6 +77,55 @@ def test_wrong_type_fails_naming_key():
         compose_cfg("rollout.n=many")
     msg = one_line_error(e.value)
     assert "rollout.n" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_moved_key_names_its_new_place(old, tmp_path):
+    """The old spelling of a key that moved into a section fails naming the new key, from the
+    command line and from a recipe file alike (a bool where a section now is, too)."""
+    with pytest.raises(Exception) as e:
+        compose_cfg(f"{old}=1")
+    assert one_line_error(e.value) == f"{old} is now {MOVED_KEYS[old]}"
+    group, key = old.split(".")
+    recipe = CONF / "recipe" / f"zz_moved_{key}.yaml"
+    recipe.write_text(f"# @package _global_\n{group}:\n  {key}: 1\n")
+    try:
+        with pytest.raises(Exception) as e:
+            compose_cfg(f"+recipe={recipe.stem}")
+    finally:
+        recipe.unlink()
+    assert one_line_error(e.value) == f"{old} is now {MOVED_KEYS[old]}"
+
+
+def test_a_removed_key_says_why_and_an_added_key_is_refused():
+    with pytest.raises(Exception) as e:
+        compose_cfg("algorithm.greedy_baseline=true")
+    assert one_line_error(e.value).startswith("algorithm.greedy_baseline was removed: ")
+    # `+key=value` opens Hydra's struct: the key would be dropped silently by the typed object
+    cfg = compose_cfg("+recipe=grpo_math", "+actor.lrr=3", "+algorithm.tis_mode=token")
+    assert preflight(cfg, 2) == ["actor.lrr is not a key of the schema", "algorithm.tis_mode is now algorithm.tis.mode"]
+
+
+def test_declared_params_bind_from_the_algorithm_section():
+    """Every registered estimator and loss reads keys the schema has, with the schema's defaults."""
+    from dataclasses import fields
+
+    from hybrid_rl.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES, bind_params
+    from hybrid_rl.config import AlgorithmConfig
+
+    cfg = compose_cfg("+recipe=gfpo_math", "algorithm.gamma=0.5").algorithm
+    default = AlgorithmConfig()
+    for reg in (ADV_ESTIMATORS, POLICY_LOSSES):
+        for name in reg:
+            params = bind_params(reg, name, cfg)
+            if params is None:
+                continue
+            for f in fields(params):
+                assert getattr(params, f.name) == getattr(cfg, f.name), (name, f.name)
+                assert f.default == getattr(default, f.name) or f.default_factory() == getattr(default, f.name), (name, f.name)
+    assert bind_params(ADV_ESTIMATORS, "gfpo", cfg).gfpo.keep == 8  # a section arrives as its dataclass
+    assert type(bind_params(ADV_ESTIMATORS, "gfpo", cfg).gfpo).__name__ == "GFPOSettings"
+    assert bind_params(ADV_ESTIMATORS, "gae", cfg).gamma == 0.5
 
 
 def test_cli_typo_is_one_line_and_exit_2():
@@ -149,7 +200,7 @@ def test_contradictory_settings_are_named(overrides, world, needle):
         ("data.truncation=chop", "[skip, left, right, error]"),
         ("rollout.dtype=fp8", "[auto, float32, bfloat16, float16]"),
         ("trainer.task=ppo", "[rl, sft, dpo, rm, eval]"),
-        ("algorithm.tis_mode=seq", "[none, token, sequence]"),
+        ("algorithm.tis.mode=seq", "[none, token, sequence]"),
         ("actor.lr_schedule=linear", "[constant, cosine]"),
         ("logger.backends=[console,tb]", "[console, tensorboard, jsonl, wandb, mlflow]"),
     ],
@@ -165,7 +216,7 @@ def test_closed_sets_are_enums_refused_at_compose_time(override, allowed):
 def test_the_ci_overlay_stacks_on_every_recipe(recipe):
     """``+overlay=ci_tiny`` is the one place for the tiny-run settings the tests share."""
     # recipes whose own constraints need more room than the overlay's 4 x 16 tokens
-    extra = {"dapo_math": ["rollout.max_response_length=24"], "gfpo_math": ["rollout.n=8", "algorithm.gfpo_keep=4"]}
+    extra = {"dapo_math": ["rollout.max_response_length=24"], "gfpo_math": ["rollout.n=8", "algorithm.gfpo.keep=4"]}
     cfg = compose_cfg(f"+recipe={recipe}", "+overlay=ci_tiny", *extra.get(recipe, []))
     validate(cfg, world_size=1)
     assert cfg.model.path == "builtin:tiny" and cfg.trainer.export_hf is False and cfg.logger.progress_bar is False

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from hybrid_rl.algorithms.kl import kl_estimate, make_kl_controller
+from hybrid_rl.algorithms.params import GroupNormParams, KLRewardSettings
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, Sample, collate
+from hybrid_rl.config import AlgorithmConfig
 from hybrid_rl.engine.heads import Sampling, logprobs_and_entropy, truncate_logits
 from hybrid_rl.hybrid.switch import HybridSwitch, StaleWeightsError
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, prompt_seed
@@ -40,12 +42,13 @@ def test_prompt_seeds_are_distinct_and_their_child_ranges_never_overlap():
 
 
 # ---------------------------------------------------------------- 3. truncated samples
-def _trainer_stub(**algo):
-    a = SimpleNamespace(use_kl_in_reward=False, greedy_baseline=False, norm_adv_by_std=True, kl_penalty="k1", **algo)
+def _trainer_stub():
+    a = AlgorithmConfig()
     return SimpleNamespace(
         cfg=SimpleNamespace(algorithm=a),
-        kl_ctrl=make_kl_controller("fixed", 0.0, 0.1, 100),
+        kl_ctrl=make_kl_controller(KLRewardSettings(coef=0.0)),
         adv_fn=ADV_ESTIMATORS["grpo"],
+        adv_params=GroupNormParams(),
         ctx=SimpleNamespace(world_size=1),
     )
 
@@ -55,8 +58,8 @@ def test_a_truncated_sample_keeps_its_true_score_in_the_group_statistics():
     old code zeroed its mask first and the group was seen as [1, 0, 0, 0]."""
     scores = [1.0, 0.0, 0.0, -1.0]
     samples = [Sample([1, 2], [3, 4, 5], [0.0] * 3, [1] * 3, "length" if s < 0 else "stop", 0, score=s) for s in scores]
-    stub = _trainer_stub(mask_truncated=True)
-    stub.cfg.algorithm.mask_truncated = True
+    stub = _trainer_stub()
+    stub.cfg.algorithm.overlong.mask_truncated = True
     batch = RLTrainer.make_batch(SimpleNamespace(cfg=stub.cfg, tokenizer=SimpleNamespace(pad_token_id=0)), Rollout(samples, 0))
     RLTrainer.compute_advantages(stub, batch)
     s = torch.tensor(scores)

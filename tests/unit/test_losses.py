@@ -8,6 +8,7 @@ import torch
 
 from hybrid_rl.algorithms.kl import AdaptiveKLController, kl_estimate, kl_in_reward
 from hybrid_rl.algorithms.losses import agg_loss, agg_weights, make_actor_loss, tis_weights
+from hybrid_rl.algorithms.params import KLLossSettings, TISSettings
 from hybrid_rl.algorithms.registry import POLICY_LOSSES
 from hybrid_rl.batch import ModelOutputs, TrainBatch
 
@@ -189,12 +190,9 @@ def test_actor_loss_composes_pg_entropy_and_kl():
         clip_ratio_low=0.2,
         clip_ratio_high=0.2,
         clip_ratio_c=None,
-        tis_mode="none",
-        tis_cap=2.0,
+        tis=TISSettings(),
         entropy_coeff=0.1,
-        use_kl_loss=True,
-        kl_loss_coef=0.5,
-        kl_loss_type="k1",
+        kl_loss=KLLossSettings(enable=True, coef=0.5, type="k1"),
     )
     mask = torch.ones(1, 2)
     lp = torch.tensor([[-1.0, -1.0]])

@@ -127,6 +127,8 @@ def test_registry_names_read_from_source_match_the_live_registries():
     assert set(source.kinds["ensemble_reduce"]) == set(ENSEMBLE_REDUCERS)
     assert set(source.kinds["backend"]) == set(BACKENDS)
     assert registered().names("adv_estimator") == sorted(ADV_ESTIMATORS)
+    assert {n: c.__name__ if c else None for n, c in ADV_ESTIMATORS.params.items()} == source.params["adv_estimator"]
+    assert {n: c.__name__ if c else None for n, c in POLICY_LOSSES.params.items()} == source.params["policy_loss"]
 
 
 def test_the_preflight_does_not_import_torch():

@@ -2,7 +2,6 @@
 finite log-probs under top-k/top-p, KL of exactly 0 at identical weights, a non-finite loss is a
 skipped step, DAPO filters on accuracy, and a short batch keeps whole groups."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +10,9 @@ from hydra import compose, initialize_config_dir
 from hybrid_rl.algorithms.filters import whole_groups
 from hybrid_rl.algorithms.kl import AdaptiveKLController, kl_estimate
 from hybrid_rl.algorithms.losses import make_actor_loss
+from hybrid_rl.algorithms.params import KLLossSettings
 from hybrid_rl.batch import ModelOutputs, Rollout, Sample, collate
-from hybrid_rl.config import register_configs
+from hybrid_rl.config import AlgorithmConfig, register_configs
 from hybrid_rl.engine.heads import OUTSIDE_LOGPROB, Sampling, logprobs_and_entropy, logprobs_entropy_untruncated
 from hybrid_rl.timing import PhaseTimer
 from hybrid_rl.trainer.build import conf_dir
@@ -49,10 +49,7 @@ def test_kl_is_zero_at_identical_weights_with_truncation_on():
 
 
 def test_kl_loss_uses_the_untruncated_logprobs():
-    cfg = SimpleNamespace(
-        policy_loss="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, tis_mode="none",
-        entropy_coeff=0.0, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=1.0,
-    )  # fmt: skip
+    cfg = AlgorithmConfig(clip_ratio_c=None, kl_loss=KLLossSettings(enable=True, coef=1.0, type="k3"))
     mb = collate([Sample([1, 2], [3, 4, 5], [0.0] * 3, [1] * 3, "stop", 0)], 0)
     mb.advantages, mb.loss_weights = torch.zeros(1, 3), torch.full((1, 3), 1 / 3)
     ref = torch.tensor([[-1.0, -2.0, -3.0]])
@@ -98,7 +95,7 @@ def test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length(ctx,
     on length alone. On accuracy (the default) only the group with right and wrong answers stays."""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("config", ["+recipe=dapo_math", "data.train_batch_size=2", "rollout.n=4",
-                                 "algorithm.max_gen_rounds=1", f"algorithm.filter_metric={metric}"])  # fmt: skip
+                                 "algorithm.filter_groups.max_gen_rounds=1", f"algorithm.filter_groups.metric={metric}"])  # fmt: skip
     right, wrong = 7, 9
     samples = [_sample(0, right, n) for n in (20, 22, 25, 52)] + [_sample(1, i, 10) for i in (right, wrong, right, wrong)]
     collector = RolloutCollector(cfg, ctx, None, None, _Words({right: "\\boxed{4}", wrong: "\\boxed{5}"}), [], [], None, reward_pool)
