@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_rl.dist import DistContext, barrier, broadcast_object
 from hybrid_rl.env import cache_root
@@ -21,10 +21,13 @@ from hybrid_rl.trainer.evaluate import run_eval
 from hybrid_rl.trainer.preference import run_dpo, run_rm
 from hybrid_rl.trainer.sft import run_sft
 
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import Config
+
 log = logging.getLogger("hybrid_rl")
 
 
-def resolve_builtin(path: str, cfg: Any, ctx: DistContext) -> str:
+def resolve_builtin(path: str, cfg: Config, ctx: DistContext) -> str:
     """A builtin model: ``builtin:tiny`` (random init) or one a recipe builds on first use and caches:
     ``builtin:tiny-sft`` (``model.sft_recipe``) and ``builtin:tiny-rm`` (``rm_math``)."""
     preset = cfg.model.preset
@@ -50,7 +53,7 @@ def resolve_builtin(path: str, cfg: Any, ctx: DistContext) -> str:
     return str(out)
 
 
-def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
+def resolve_model_path(cfg: Config, ctx: DistContext) -> str:
     """A local folder for ``model.path``, building the project's own model on first use."""
     path = cfg.model.path
     if path.startswith("builtin:"):
@@ -61,7 +64,7 @@ def resolve_model_path(cfg: Any, ctx: DistContext) -> str:
     return str(broadcast_object(path))
 
 
-def run_rl(cfg: Any, ctx: DistContext) -> dict[str, float]:
+def run_rl(cfg: Config, ctx: DistContext) -> dict[str, float]:
     from hybrid_rl.trainer.rl import RLTrainer
 
     rm = cfg.reward.reward_model

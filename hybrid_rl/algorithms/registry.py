@@ -48,6 +48,12 @@ class Registry(dict[str, Callable]):
 
         return deco
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` with its declarations (a plugin unloaded, a test cleaning up)."""
+        del self[name]
+        self.needs.pop(name, None)
+        self.params.pop(name, None)
+
     def __missing__(self, name: str) -> Callable:
         raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self))}")
 

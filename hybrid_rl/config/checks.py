@@ -9,23 +9,26 @@ declares it needs, not lists of names. Each task runs the checks that concern it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybrid_rl.config.registered import registered
 from hybrid_rl.errors import ConfigError
 from hybrid_rl.models.tiny import PRESETS
 
+if TYPE_CHECKING:  # annotations only: Config is defined in the package __init__, which imports this module
+    from hybrid_rl.config import Config
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def validate(cfg: Any, world_size: int = 1) -> None:
+def validate(cfg: Config, world_size: int = 1) -> None:
     """Cross-field checks; raises :class:`ConfigError` naming the fields."""
     found = problems(cfg, world_size)
     if found:
         raise ConfigError("invalid config: " + "; ".join(found))
 
 
-def problems(cfg: Any, world_size: int = 1) -> list[str]:
+def problems(cfg: Config, world_size: int = 1) -> list[str]:
     """Every cross-field problem of ``cfg`` for its ``trainer.task`` on ``world_size`` ranks."""
     found = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward_model(cfg) + _lora(cfg)
     task = cfg.trainer.task
@@ -40,7 +43,7 @@ def problems(cfg: Any, world_size: int = 1) -> list[str]:
     return found
 
 
-def _lora(cfg: Any) -> list[str]:
+def _lora(cfg: Config) -> list[str]:
     """LoRA trains the RL policy; its adapters reach the engine through vLLM's LoRA slots."""
     lo = cfg.actor.lora
     if lo.rank == 0:
@@ -61,7 +64,7 @@ def _divides(n: int, world_size: int, key: str) -> list[str]:
     return [f"{key}={n} does not divide over {world_size} ranks"] if n < 1 or n % world_size else []
 
 
-def _common(cfg: Any) -> list[str]:
+def _common(cfg: Config) -> list[str]:
     a, d, act, m = cfg.algorithm, cfg.data, cfg.actor, cfg.model
     checks = [
         (a.loss_agg_mode not in LOSS_AGG_MODES, f"algorithm.loss_agg_mode={a.loss_agg_mode!r} must be one of {', '.join(LOSS_AGG_MODES)}"),
@@ -84,7 +87,7 @@ def _common(cfg: Any) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
-def _precision(cfg: Any) -> list[str]:
+def _precision(cfg: Config) -> list[str]:
     if cfg.model.dtype is not None:
         return [
             f"model.dtype={cfg.model.dtype} was removed: master weights and optimizer state are always fp32; "
@@ -93,7 +96,7 @@ def _precision(cfg: Any) -> list[str]:
     return []
 
 
-def _reward_model(cfg: Any) -> list[str]:
+def _reward_model(cfg: Config) -> list[str]:
     rm = cfg.reward.reward_model
     reducers = registered().names("ensemble_reduce")
     checks = [
@@ -104,14 +107,14 @@ def _reward_model(cfg: Any) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
-def _agent(cfg: Any) -> list[str]:
+def _agent(cfg: Config) -> list[str]:
     ag, r = cfg.rollout.agent, cfg.rollout
     if not ag.enable or (ag.max_turns >= 1 and ag.max_response_tokens >= r.max_response_length):
         return []
     return ["rollout.agent.max_turns must be >= 1 and rollout.agent.max_response_tokens >= rollout.max_response_length"]
 
 
-def _eval(cfg: Any) -> list[str]:
+def _eval(cfg: Config) -> list[str]:
     r = cfg.rollout
     checks = [
         (r.val_pass_k > 0 and r.temperature <= 0, f"rollout.val_pass_k={r.val_pass_k} samples at rollout.temperature, which must be > 0"),
@@ -121,7 +124,7 @@ def _eval(cfg: Any) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
-def _preference(cfg: Any, world_size: int) -> list[str]:
+def _preference(cfg: Config, world_size: int) -> list[str]:
     pr, act = cfg.preference, cfg.actor
     checks = [
         (bool(act.max_tokens_per_micro), "actor.max_tokens_per_micro must be 0 for dpo/rm (micro-batches keep pairs and lists together)"),
@@ -133,7 +136,7 @@ def _preference(cfg: Any, world_size: int) -> list[str]:
     return [msg for bad, msg in checks if bad] + _divides(cfg.data.train_batch_size, world_size, "data.train_batch_size")
 
 
-def _rl_algorithm(cfg: Any) -> list[str]:
+def _rl_algorithm(cfg: Config) -> list[str]:
     a, r, act = cfg.algorithm, cfg.rollout, cfg.actor
     reg = registered()
     needs = reg.needs("adv_estimator", a.adv_estimator)
@@ -164,7 +167,7 @@ def _rl_algorithm(cfg: Any) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
-def _rl_sampling(cfg: Any) -> list[str]:
+def _rl_sampling(cfg: Config) -> list[str]:
     r = cfg.rollout
     checks = [
         (r.temperature <= 0,
@@ -177,7 +180,7 @@ def _rl_sampling(cfg: Any) -> list[str]:
     return [msg for bad, msg in checks if bad]
 
 
-def _rl_batching(cfg: Any, world_size: int) -> list[str]:
+def _rl_batching(cfg: Config, world_size: int) -> list[str]:
     r, d, act = cfg.rollout, cfg.data, cfg.actor
     found = []
     tp = r.tensor_parallel_size

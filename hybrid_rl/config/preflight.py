@@ -21,7 +21,7 @@ import inspect
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -30,6 +30,9 @@ from hybrid_rl.config.compose import compose_recipe, composed_files, conf_dir, r
 from hybrid_rl.errors import ModelPathError
 from hybrid_rl.resume import resume_problems
 
+if TYPE_CHECKING:  # annotations only: Config is defined in the package __init__, which imports this module
+    from hybrid_rl.config import Config
+
 # The builtin models and the recipes that build them on first use.
 BUILTIN_RECIPES = {"builtin:tiny-sft": "model.sft_recipe", "builtin:tiny-rm": "rm_math"}
 BUILTIN_MAX_POSITIONS = 1024  # hybrid_rl.models.tiny builds every preset with this many positions
@@ -37,7 +40,7 @@ BUILTIN_MAX_POSITIONS = 1024  # hybrid_rl.models.tiny builds every preset with t
 REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def preflight(cfg: Any, world_size: int, required: list[str] | None = None, notes: list[str] | None = None) -> list[str]:
+def preflight(cfg: Config, world_size: int, required: list[str] | None = None, notes: list[str] | None = None) -> list[str]:
     """Every problem of the composed ``cfg`` (a DictConfig) on ``world_size`` ranks, as one message
     each; what the run will go on with but should say (changed settings on resume) goes to ``notes``."""
     found = list(required or []) + [renamed_key(k) or f"{k} is not a key of the schema" for k in added_keys(cfg)]
@@ -194,7 +197,7 @@ def max_positions(path: str) -> int:
     return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
 
 
-def model_problems(cfg: Any) -> list[str]:
+def model_problems(cfg: Config) -> list[str]:
     path = cfg.model.path
     if path.startswith("builtin:"):
         if path != "builtin:tiny" and path not in BUILTIN_RECIPES:
@@ -223,7 +226,7 @@ def model_problems(cfg: Any) -> list[str]:
     return found
 
 
-def data_problems(cfg: Any) -> list[str]:
+def data_problems(cfg: Config) -> list[str]:
     d = cfg.data
     # builtin:synth_math generates the synthetic task; builtin:synth_pref (dpo/rm) builds preference pairs from it.
     builtins = ("builtin:synth_math", "builtin:synth_pref") if cfg.trainer.task in ("dpo", "rm") else ("builtin:synth_math",)
@@ -245,7 +248,7 @@ def data_problems(cfg: Any) -> list[str]:
     return found
 
 
-def reward_problems(cfg: Any) -> list[str]:
+def reward_problems(cfg: Config) -> list[str]:
     """Each custom reward function resolved: the file exists, defines the function, and the
     function takes the four arguments it is called with."""
     from hybrid_rl.rewards.functions import BUILTIN
@@ -282,7 +285,7 @@ def _custom_reward_problems(key: str, path: str, function: str) -> list[str]:
     return []
 
 
-def warm_start_problems(cfg: Any, world_size: int) -> list[str]:
+def warm_start_problems(cfg: Config, world_size: int) -> list[str]:
     """The problems of the recipes that build ``builtin:tiny-sft`` / ``builtin:tiny-rm`` for this run."""
     paths = [cfg.model.path, *([cfg.reward.reward_model.path] if cfg.reward.reward_model.path else []), *cfg.reward.reward_model.ensemble]
     recipes = {cfg.model.sft_recipe if p == "builtin:tiny-sft" else "rm_math" for p in paths if p in BUILTIN_RECIPES}

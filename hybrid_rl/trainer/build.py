@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
@@ -22,6 +22,7 @@ from hybrid_rl.errors import ConfigError, ModelPathError
 if TYPE_CHECKING:  # the real types, without importing the engines when this module loads
     from transformers import PreTrainedTokenizerBase
 
+    from hybrid_rl.config import Config
     from hybrid_rl.data.dataset import PromptRecord, PromptSampler
     from hybrid_rl.engine.fsdp import FSDPEngine
     from hybrid_rl.engine.lora import AdapterOffReference
@@ -45,7 +46,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def recipe_cache_key(recipe_cfg: Any) -> str:
+def recipe_cache_key(recipe_cfg: Config) -> str:
     """Hash of what determines a built model (model, data, actor, agent, preference, steps, seed)."""
     groups = ("model", "data", "actor") + (("preference",) if recipe_cfg.trainer.task in ("dpo", "rm") else ())
     parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in groups}
@@ -63,7 +64,7 @@ def recipe_cache_key(recipe_cfg: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_len: int, seed: int):
+def build_rollout_engine(model_path: str, cfg: Config, ctx: DistContext, max_model_len: int, seed: int):
     """This rank's rollout engine, ``rollout.backend`` (vLLM by default; see rollout/backends.py)."""
     from hybrid_rl.rollout.backends import build_backend
 
@@ -74,7 +75,7 @@ def build_rollout_engine(model_path: str, cfg: Any, ctx: DistContext, max_model_
     )
 
 
-def build_reference(cfg: Any, ctx: DistContext, model_path: str, actor: FSDPEngine):
+def build_reference(cfg: Config, ctx: DistContext, model_path: str, actor: FSDPEngine):
     """The frozen reference policy for KL terms: a second engine from ``model_path``, or, with
     LoRA, the actor itself with its adapters off (the base is the starting model)."""
     from hybrid_rl.engine.builders import build_policy_engine
@@ -85,7 +86,7 @@ def build_reference(cfg: Any, ctx: DistContext, model_path: str, actor: FSDPEngi
     return build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False)
 
 
-def check_lengths(cfg: Any, model_path: str, extra: int = 0) -> int:
+def check_lengths(cfg: Config, model_path: str, extra: int = 0) -> int:
     """max_model_len for the engine; error if prompt + response exceed the model's positions."""
     conf = json.loads((Path(model_path) / "config.json").read_text())
     limit = int(conf.get("max_position_embeddings", 1 << 30))
@@ -99,7 +100,7 @@ def check_lengths(cfg: Any, model_path: str, extra: int = 0) -> int:
     return need
 
 
-def build_tools(cfg: Any) -> tuple[list, list[dict] | None]:
+def build_tools(cfg: Config) -> tuple[list, list[dict] | None]:
     """The agent's tools and their JSON schemas (for the chat template), or ([], None) when off."""
     if not cfg.rollout.agent.enable:
         return [], None
@@ -109,7 +110,7 @@ def build_tools(cfg: Any) -> tuple[list, list[dict] | None]:
     return tools, [t.schema for t in tools]
 
 
-def max_model_len(cfg: Any, model_path: str) -> int:
+def max_model_len(cfg: Config, model_path: str) -> int:
     """Prompt + response budget (a multi-turn response may be longer than one turn)."""
     ag = cfg.rollout.agent
     extra = ag.max_response_tokens - cfg.rollout.max_response_length if ag.enable else 0
@@ -137,13 +138,13 @@ class RLParts:
     model_path: str = ""  # the local model folder the run started from (checkpoints record it for export)
 
 
-def optimizer_steps(cfg: Any) -> int:
+def optimizer_steps(cfg: Config) -> int:
     """Optimizer steps of the whole run (the LR schedule's length)."""
     samples = cfg.data.train_batch_size * cfg.rollout.n
     return cfg.trainer.total_steps * cfg.actor.epochs * max(1, samples // (cfg.actor.mini_batch_size or samples))
 
 
-def build_rl_parts(cfg: Any, ctx: DistContext, model_path: str, reward_model_paths: list[str] | None = None) -> RLParts:
+def build_rl_parts(cfg: Config, ctx: DistContext, model_path: str, reward_model_paths: list[str] | None = None) -> RLParts:
     """Tokenizer, prompts, the FSDP2 engines (actor, reference, critic, reward model), the
     rollout engine, the switch between them and the reward pools, for ``model_path``."""
     import random

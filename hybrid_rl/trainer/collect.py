@@ -13,7 +13,7 @@ group drive one engine and must feed it identical requests: prompts are split ov
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from hybrid_rl.rollout.sampler import sample_groups
 from hybrid_rl.rollout.tools import get_parser
 from hybrid_rl.timing import PhaseTimer
 from hybrid_rl.trainer.validation import single_turn_sampler
+
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import Config
 
 # What the reward stage reports: verl's critic/score/* and this project's reward/* (failures,
 # informative groups, each function's and reward model's share).
@@ -56,7 +59,7 @@ class RolloutCollector:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         ctx: DistContext,
         engine: RolloutEngine,
         switch: HybridSwitch,

@@ -12,10 +12,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybrid_rl.dist import DistContext, all_gather_objects, barrier, broadcast_object
 from hybrid_rl.trainer.build import build_rollout_engine, build_tools, load_tokenizer, max_model_len
+
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import Config
 
 log = logging.getLogger("hybrid_rl")
 
@@ -40,7 +43,7 @@ def standard_errors(metrics: dict[str, float], n: float, pass_k: int) -> dict[st
     return {f"{k}_se": math.sqrt(max(metrics[k] * (1 - metrics[k]), 0.0) / max(n, 1.0)) for k in keys}
 
 
-def run_eval(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
+def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]:
     from hybrid_rl.data.dataset import load_prompts, resolve_files
     from hybrid_rl.rewards.pool import RewardPool
     from hybrid_rl.trainer.validation import evaluate, single_turn_sampler
@@ -72,7 +75,7 @@ def run_eval(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
     return metrics
 
 
-def write_results(out_dir: Path, cfg: Any, model_path: str, folder: str, metrics: dict[str, float], samples: list[dict]) -> None:
+def write_results(out_dir: Path, cfg: Config, model_path: str, folder: str, metrics: dict[str, float], samples: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {
         "model": model_path, "model_folder": folder, "val_files": list(cfg.data.val_files), "n": metrics["val/n"],

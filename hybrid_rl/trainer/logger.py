@@ -10,7 +10,10 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import LoggerConfig
 
 log = logging.getLogger("hybrid_rl")
 
@@ -29,7 +32,7 @@ CONSOLE_KEYS = [
 
 
 class MetricsLogger:
-    def __init__(self, cfg: Any, output_dir: str | Path, run_config: dict, total_steps: int, enabled: bool) -> None:
+    def __init__(self, cfg: LoggerConfig, output_dir: str | Path, run_config: dict, total_steps: int, enabled: bool) -> None:
         self.enabled = enabled
         self.backends = set(cfg.backends)
         self.dir = Path(output_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -18,14 +18,17 @@ from hybrid_rl.batch import LossFn, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_sum
 from hybrid_rl.trainer.logger import MetricsLogger
 
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import Config
 
-def offline_steps(cfg: Any, n_examples: int) -> int:
+
+def offline_steps(cfg: Config, n_examples: int) -> int:
     """``trainer.total_steps``, or fewer when ``trainer.sft_epochs`` passes over the examples first."""
     bs = cfg.data.train_batch_size
     return min(cfg.trainer.total_steps, max(1, int(cfg.trainer.sft_epochs * n_examples / bs)))
 
 
-def offline_logger(cfg: Any, ctx: DistContext, steps: int) -> MetricsLogger:
+def offline_logger(cfg: Config, ctx: DistContext, steps: int) -> MetricsLogger:
     run_config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return MetricsLogger(cfg.logger, Path(cfg.trainer.output_dir), run_config, steps, ctx.is_main)
 

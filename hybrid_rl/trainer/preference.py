@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import OmegaConf
@@ -31,18 +31,21 @@ from hybrid_rl.engine.fsdp import FSDPEngine
 from hybrid_rl.trainer.build import build_rollout_engine, load_tokenizer, max_model_len
 from hybrid_rl.trainer.offline import fit_offline, offline_logger, offline_steps
 
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import Config
+
 log = logging.getLogger("hybrid_rl")
 # In-process vLLM engines must outlive the process group (see rollout/vllm_engine.py).
 _ENGINES: list[Any] = []
 
 
 # ------------------------------------------------------------------ data
-def set_seed(cfg: Any) -> int:
+def set_seed(cfg: Config) -> int:
     """The built preference set's sampling seed: preference.seed, else trainer.seed."""
     return cfg.preference.seed if cfg.preference.seed is not None else cfg.trainer.seed
 
 
-def preference_files(cfg: Any, ctx: DistContext, model_path: str, tok: Any) -> tuple[list[Path], list[Path]]:
+def preference_files(cfg: Config, ctx: DistContext, model_path: str, tok: Any) -> tuple[list[Path], list[Path]]:
     """The train/val preference files; builds the default set from the SFT model on first use."""
     d = cfg.data
     if list(d.train_files) != ["builtin:synth_pref"]:
@@ -72,7 +75,7 @@ def preference_files(cfg: Any, ctx: DistContext, model_path: str, tok: Any) -> t
     return [out / "train.parquet"], [out / "val.parquet"]
 
 
-def _generate_preference_rows(cfg: Any, ctx: DistContext, model_path: str, tok: Any, pr: Any) -> list[dict]:
+def _generate_preference_rows(cfg: Config, ctx: DistContext, model_path: str, tok: Any, pr: Any) -> list[dict]:
     from hybrid_rl.rewards.pool import RewardPool
 
     synth_paths = resolve_files(["builtin:synth_math"], "train", cfg.data.synth)
@@ -119,7 +122,7 @@ def seq_logprobs(engine: FSDPEngine, examples: list[PreferenceExample], pad_id: 
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def _micro(cfg: Any, group: int) -> int:
+def _micro(cfg: Config, group: int) -> int:
     return max(group, cfg.actor.micro_batch_size // group * group)
 
 
@@ -155,7 +158,7 @@ def dpo_eval(policy: FSDPEngine, ref_val: torch.Tensor, val: list[PreferenceExam
     return {"val/preference_accuracy": hits / max(n, 1), "val/policy_prefers_chosen": raw / max(n, 1), "val/pairs": n}
 
 
-def run_dpo(cfg: Any, ctx: DistContext, model_path: str) -> dict[str, float]:
+def run_dpo(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]:
     tok = load_tokenizer(model_path)
     train_files, val_files = preference_files(cfg, ctx, model_path, tok)
     train = load_preferences(train_files, tok, cfg.data, "pairs", limit=cfg.data.train_size)
@@ -222,7 +225,7 @@ def rm_eval(engine: FSDPEngine, val: list[PreferenceExample], pad_id: int) -> di
     return {"val/rm_pairwise_accuracy": hits / max(n, 1), "val/rm_bt_prob": prob / max(n, 1), "val/pairs": n}
 
 
-def run_rm(cfg: Any, ctx: DistContext, model_path: str, export_dir: str | None = None) -> dict[str, float]:
+def run_rm(cfg: Config, ctx: DistContext, model_path: str, export_dir: str | None = None) -> dict[str, float]:
     tok = load_tokenizer(model_path)
     train_files, val_files = preference_files(cfg, ctx, model_path, tok)
     kind = cfg.preference.rm_loss

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -23,7 +22,7 @@ from hybrid_rl.algorithms.kl import kl_estimate, kl_in_reward, make_kl_controlle
 from hybrid_rl.algorithms.losses import agg_weights, make_actor_loss, make_critic_loss, masked_mean
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS, bind_params
 from hybrid_rl.batch import Rollout, TrainBatch, collate
-from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.config import AlgorithmConfig, Config
 from hybrid_rl.dist import DistContext, all_reduce_sum, barrier, gather_rows
 from hybrid_rl.engine.heads import Sampling
 from hybrid_rl.errors import NumericalError
@@ -57,7 +56,7 @@ def _masked_extremes(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str
 class RLTrainer:
     """The RL loop over assembled parts (:func:`hybrid_rl.trainer.build.build_rl_parts`)."""
 
-    def __init__(self, cfg: Any, ctx: DistContext, parts: RLParts) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, parts: RLParts) -> None:
         self.cfg, self.ctx, self.parts = cfg, ctx, parts
         self.out_dir = Path(cfg.trainer.output_dir)
         # Composition: the trainer reads its parts by name.

@@ -8,12 +8,15 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_rl.dist import DistContext, all_reduce_max
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import maybe_fail
 from hybrid_rl.trainer import checkpoint as ckpt
+
+if TYPE_CHECKING:  # annotations only
+    from hybrid_rl.config import TrainerConfig
 
 log = logging.getLogger("hybrid_rl")
 
@@ -23,7 +26,7 @@ class RunControl:
     (``trainer.save_every`` / ``save_every_minutes``), the resume point (``trainer.resume``) and the
     stop request a signal makes."""
 
-    def __init__(self, cfg: Any, ctx: DistContext, out_dir: Path, actor: Any, critic: Any | None, made_from: dict | None = None) -> None:
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext, out_dir: Path, actor: Any, critic: Any | None, made_from: dict | None = None) -> None:
         self.cfg, self.ctx, self.out_dir, self.made_from = cfg, ctx, out_dir, made_from
         self.actor, self.critic = actor, critic
         self.stop_requested = False

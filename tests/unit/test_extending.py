@@ -44,8 +44,7 @@ def test_an_advantage_estimator_is_one_registered_function():
     rewards[:, -1] = torch.tensor([1.0, 0.0, 3.0, 5.0])
     adv, _ = ADV_ESTIMATORS["sign_of_group_gap"](AdvantageInputs(rewards, mask, torch.tensor([0, 0, 1, 1])), None)
     assert adv[:, 0].tolist() == [1.0, -1.0, -1.0, 1.0]
-    ADV_ESTIMATORS.pop("sign_of_group_gap")
-    ADV_ESTIMATORS.needs.pop("sign_of_group_gap")
+    ADV_ESTIMATORS.unregister("sign_of_group_gap")
 
 
 def test_a_reward_function_is_one_function(tmp_path):
