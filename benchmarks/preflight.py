@@ -29,6 +29,8 @@ ROWS = {
     "dpo: beta=0": ["+recipe=dpo_math", "preference.beta=0"],
     "rm: listwise of 1": ["+recipe=rm_math", "preference.rm_loss=listwise", "preference.list_size=1"],
     "enum value": ["+recipe=grpo_math", "data.truncation=chop"],
+    "moved key": ["+recipe=grpo_math", "algorithm.use_kl_loss=true"],
+    "+key the schema lacks": ["+recipe=grpo_math", "+actor.lrr=3"],
     "warm-start config": ["+recipe=grpo_math", "trainer.nproc_per_node=3", "data.train_batch_size=3", "actor.mini_batch_size=24"],
 }
 TARGET_S = 5.0

@@ -61,7 +61,9 @@ def _lora(cfg: Config) -> list[str]:
 
 
 def _divides(n: int, world_size: int, key: str) -> list[str]:
-    return [f"{key}={n} does not divide over {world_size} ranks"] if n < 1 or n % world_size else []
+    if n < 1:
+        return [f"{key}={n} must be >= 1"]
+    return [f"{key}={n} does not divide over {world_size} ranks"] if n % world_size else []
 
 
 def _common(cfg: Config) -> list[str]:

@@ -16,10 +16,20 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hybrid_rl.env import cache_root
 from hybrid_rl.errors import DataError  # re-exported
+
+
+class PromptSettings(Protocol):
+    """The part of the ``data`` config prompts are read with (``DataConfig`` has it)."""
+
+    prompt_key: str
+    answer_key: str
+    system_prompt: str | None
+    max_prompt_length: int
+    truncation: str
 
 
 @dataclass
@@ -195,7 +205,7 @@ def _validated_row(row: Any, where: str, prompt_key: str, answer_key: str, syste
     return messages, gt
 
 
-def _file_records(path: Path, tokenizer: Any, cfg: Any, limit: int, tools: list[dict] | None, report: LoadReport) -> list[PromptRecord]:
+def _file_records(path: Path, tokenizer: Any, cfg: PromptSettings, limit: int, tools: list[dict] | None, report: LoadReport) -> list[PromptRecord]:
     """One file's prompts: rows validated and tokenised ``_CHUNK`` at a time (a bad row fails
     before its chunk is tokenised), until ``limit`` are kept (0: all)."""
     # Read once: an OmegaConf attribute costs ~40 us, and four per row were 3 s of 20,000 rows.
@@ -232,7 +242,7 @@ _CHUNK = 2048  # rows tokenised per batched call
 
 
 def load_prompts(
-    files: list[Path], tokenizer: Any, cfg: Any, limit: int = 0, tools: list[dict] | None = None
+    files: list[Path], tokenizer: Any, cfg: PromptSettings, limit: int = 0, tools: list[dict] | None = None
 ) -> tuple[list[PromptRecord], LoadReport]:
     """Read, validate and tokenise prompts from ``files`` (the ``data`` config gives keys and
     limits); ``limit`` > 0: at most that many kept from the start of each file."""

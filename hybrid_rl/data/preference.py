@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybrid_rl.data.dataset import DataError, encode_prompt, read_rows, row_messages
+from hybrid_rl.data.dataset import DataError, PromptSettings, encode_prompt, read_rows, row_messages
 from hybrid_rl.env import cache_root
 
 
@@ -38,7 +38,7 @@ def _response_ids(tokenizer: Any, text: Any, where: str, field: str) -> list[int
     return tokenizer(text + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
 
 
-def load_preferences(files: list[Path], tokenizer: Any, cfg: Any, kind: str = "pairs", limit: int = 0) -> list[PreferenceExample]:
+def load_preferences(files: list[Path], tokenizer: Any, cfg: PromptSettings, kind: str = "pairs", limit: int = 0) -> list[PreferenceExample]:
     """Pairs (``kind="pairs"``) or ranked lists (``kind="lists"``) from ``files``."""
     out: list[PreferenceExample] = []
     for path in files:

@@ -19,7 +19,7 @@ import math
 import multiprocessing as mp
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pebble import ProcessPool
 
@@ -68,10 +68,21 @@ def _as_score(raw: Any) -> tuple[float | None, dict[str, float], str]:
     return float(value), extra, ""
 
 
+class PoolSettings(Protocol):
+    """The part of the ``reward`` config the pool reads (``RewardConfig`` has it): ``functions``
+    holds items with ``name``, ``path``, ``function`` and ``weight``."""
+
+    functions: list[Any]
+    timeout_s: float
+    failure_score: float
+    max_failed_steps: int
+    num_workers: int
+
+
 class RewardPool:
     """Scores (data_source, response, ground_truth, extra_info) items with the configured functions."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: PoolSettings) -> None:
         self.specs: list[FnSpec] = [(f.name, f.path, f.function, float(f.weight)) for f in cfg.functions]
         if not self.specs and not getattr(getattr(cfg, "reward_model", None), "path", None):
             raise ValueError("reward.functions is empty and no reward.reward_model.path: nothing would score the rollouts")

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, SamplingSpec, prompt_seed
+from hybrid_rl.rollout.settings import EngineSettings
 
 
 class HFRollout:
@@ -40,7 +40,7 @@ class HFRollout:
     def __init__(
         self,
         model_path: str,
-        cfg: Any,
+        cfg: EngineSettings,
         dtype: str,
         seed: int,
         device: torch.device,
@@ -56,7 +56,7 @@ class HFRollout:
         self.seed = seed
         self.max_model_len = max_model_len
         # Rows generated together; more prompts than this go in several calls (bounds the KV cache).
-        self.max_batch = int(getattr(cfg, "max_num_seqs", 256) or 256)
+        self.max_batch = int(cfg.max_num_seqs or 256)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=to_dtype(dtype), attn_implementation="sdpa", trust_remote_code=trust_remote_code
         ).to(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 
 class Scheduling(StrEnum):
@@ -30,3 +31,15 @@ class AgentSettings:
     tool_response_keep: ToolResponseKeep = ToolResponseKeep.head
     # continuous (a slow tool delays only its own trajectory) | lockstep
     scheduling: Scheduling = Scheduling.continuous
+
+
+class EngineSettings(Protocol):
+    """The part of the ``rollout`` config an engine is built from (``RolloutConfig`` has it)."""
+
+    enforce_eager: bool | None
+    block_size: int
+    enable_prefix_caching: bool
+    max_num_seqs: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    kv_cache_gib: float

@@ -52,6 +52,7 @@ from vllm.lora.request import LoRARequest
 
 from hybrid_rl.env import request_amx_permission
 from hybrid_rl.rollout.base import Completion, GenerateStats, GenerationResult, SamplingSpec
+from hybrid_rl.rollout.settings import EngineSettings
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -123,7 +124,7 @@ class VLLMRollout:
     def __init__(
         self,
         model_path: str,
-        cfg: Any,
+        cfg: EngineSettings,
         dtype: str,
         seed: int,
         device: torch.device,
