@@ -88,3 +88,16 @@ def test_no_import_cycles_between_units():
 
     cycles = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a] if reaches(b, a, {b})})
     assert not cycles, f"import cycles between units: {cycles}"
+
+
+def test_no_file_over_400_lines_and_no_function_over_60():
+    """The package's size rule (docs/development.md): split when you add, not later."""
+    too_long = []
+    for p in SOURCES:
+        text = p.read_text()
+        if len(text.splitlines()) > 400:
+            too_long.append(f"{p.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
