@@ -35,6 +35,7 @@ from hybrid_rl.trainer.validation import single_turn_sampler
 
 if TYPE_CHECKING:  # annotations only
     from hybrid_rl.config import Config
+    from hybrid_rl.trainer.build import RLParts
 
 # What the reward stage reports: verl's critic/score/* and this project's reward/* (failures,
 # informative groups, each function's and reward model's share).
@@ -57,23 +58,17 @@ def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
 class RolloutCollector:
     """Turns the next prompts into this rank's scored samples for one step."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        ctx: DistContext,
-        engine: RolloutEngine,
-        switch: HybridSwitch,
-        tokenizer: Any,
-        tools: list,
-        train_records: list[Any],
-        sampler: PromptSampler,
-        reward_pool: RewardPool,
-        reward_models: list | None = None,
-    ) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, parts: RLParts) -> None:
+        """Reads the rollout engine, the switch, the tokenizer and tools, the training prompts and
+        their sampler, the reward pool and any reward models from ``parts``."""
         self.cfg, self.ctx = cfg, ctx
-        self.engine, self.switch, self.tokenizer, self.tools = engine, switch, tokenizer, tools
-        self.train_records, self.sampler = train_records, sampler
-        self.reward_pool, self.reward_models = reward_pool, list(reward_models or [])
+        self.engine: RolloutEngine = parts.rollout_engine
+        self.switch: HybridSwitch = parts.switch
+        self.tokenizer, self.tools = parts.tokenizer, parts.tools
+        self.train_records: list[Any] = parts.train_records
+        self.sampler: PromptSampler = parts.sampler
+        self.reward_pool: RewardPool = parts.reward_pool
+        self.reward_models = list(parts.reward_models or [])
         self.step_idx = 0
 
     @property

@@ -63,10 +63,7 @@ class RLTrainer:
         self.tokenizer, self.actor, self.ref, self.critic = parts.tokenizer, parts.actor, parts.ref, parts.critic
         self.switch, self.reward_pool, self.val_pool = parts.switch, parts.reward_pool, parts.val_pool
         self.val_records = parts.val_records
-        self.collector = RolloutCollector(
-            cfg, ctx, parts.rollout_engine, parts.switch, parts.tokenizer, parts.tools, parts.train_records, parts.sampler,
-            parts.reward_pool, parts.reward_models,
-        )  # fmt: skip
+        self.collector = RolloutCollector(cfg, ctx, parts)
         a: AlgorithmConfig = OmegaConf.to_object(cfg.algorithm)  # the typed section the algorithm's parts read
         self.critic_loss_fn = make_critic_loss(cfg.critic) if parts.critic is not None else None
         self.kl_ctrl = make_kl_controller(a.kl_reward)

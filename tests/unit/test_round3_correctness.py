@@ -3,6 +3,8 @@ finite log-probs under top-k/top-p, KL of exactly 0 at identical weights, a non-
 skipped step, DAPO filters on accuracy, and a short batch keeps whole groups."""
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -98,7 +100,9 @@ def test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length(ctx,
                                  "algorithm.filter_groups.max_gen_rounds=1", f"algorithm.filter_groups.metric={metric}"])  # fmt: skip
     right, wrong = 7, 9
     samples = [_sample(0, right, n) for n in (20, 22, 25, 52)] + [_sample(1, i, 10) for i in (right, wrong, right, wrong)]
-    collector = RolloutCollector(cfg, ctx, None, None, _Words({right: "\\boxed{4}", wrong: "\\boxed{5}"}), [], [], None, reward_pool)
+    parts = SimpleNamespace(rollout_engine=None, switch=None, tokenizer=_Words({right: "\\boxed{4}", wrong: "\\boxed{5}"}), tools=[],
+                            train_records=[], sampler=None, reward_pool=reward_pool, reward_models=[])  # fmt: skip
+    collector = RolloutCollector(cfg, ctx, parts)
     collector.next_prompts = lambda: []
     collector.generate = lambda prompts, round_idx=0: Rollout(list(samples), 0)
     m: dict[str, float] = {}
