@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 MANIFEST = "manifest.json"
 
@@ -65,12 +65,34 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+class ModelSettings(Protocol):
+    """What names the model a run trains (the ``model`` config has it)."""
+
+    path: str
+    preset: str
+    sft_recipe: str
+
+
+class ResumeSettings(Protocol):
+    """Where the run keeps its checkpoints and which one it resumes (the ``trainer`` config has it)."""
+
+    resume: str
+    output_dir: str
+
+
+class RunSettings(Protocol):
+    """The two sections resuming reads (the root config has them); this module sits below the config."""
+
+    model: ModelSettings
+    trainer: ResumeSettings
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     ckpts = list_checkpoints(root)
     return ckpts[-1] if ckpts else None
 
 
-def model_identity(model_cfg: Any) -> dict[str, str]:
+def model_identity(model_cfg: ModelSettings) -> dict[str, str]:
     """The model a run trains: a builtin by its preset (and warm-start recipe), a local folder by
     its absolute path and a hash of its ``config.json`` (architecture, sizes, vocabulary)."""
     path = str(model_cfg.path)
@@ -84,7 +106,7 @@ def model_identity(model_cfg: Any) -> dict[str, str]:
     return {"path": str(Path(path).resolve()), "config_sha256": digest}
 
 
-def checkpoint_to_resume(cfg: Any) -> Path | None:
+def checkpoint_to_resume(cfg: RunSettings) -> Path | None:
     """The checkpoint ``trainer.resume`` names for this run, or None to start over."""
     mode = str(cfg.trainer.resume)
     if mode in ("never", "none"):
@@ -111,7 +133,7 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and b.get(k) != "auto"}
 
 
-def resume_problems(cfg: Any, resolved: dict) -> tuple[list[str], list[str]]:
+def resume_problems(cfg: RunSettings, resolved: dict) -> tuple[list[str], list[str]]:
     """``(problems, notes)`` of resuming this RL run: problems refuse it (exit 2), notes are the
     changed settings it goes on with. ``resolved`` is the run's config as a plain dict."""
     mode = str(cfg.trainer.resume)

@@ -5,7 +5,6 @@ model (sequence classification). Master weights are always fp32 (:data:`MASTER_D
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
@@ -162,14 +161,14 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
     )
 
 
-def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int, trainable: bool) -> FSDPEngine:
+def build_reward_engine(path: str, model_cfg, actor_cfg, ctx: DistContext, total_steps: int, trainable: bool, seed: int) -> FSDPEngine:
     """An HF sequence-classification model with one label, FSDP2-sharded; a fresh score head when
-    ``path`` is a causal LM (the SFT model)."""
+    ``path`` is a causal LM (the SFT model), initialised from ``seed``."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from hybrid_rl.engine.heads import RewardModule
 
-    sharded, trc = cfg.model.sharded_init, cfg.model.trust_remote_code
+    sharded, trc = model_cfg.sharded_init, model_cfg.trust_remote_code
     try:
         if sharded:
             checkpoint_files(path)
@@ -186,9 +185,9 @@ def build_reward_engine(path: str, cfg: Any, ctx: DistContext, total_steps: int,
         raise ModelPathError(f"reward model {path!r}: cannot load it ({type(e).__name__}: {e})") from e
     # A causal LM's checkpoint has no score head: a fresh one (HF's init, seeded by trainer.seed so
     # the members of a reward-model ensemble start apart, the same on every rank).
-    fresh = {"rm.score.weight": _seeded_normal(getattr(model.config, "initializer_range", 0.02), cfg.trainer.seed)}
+    fresh = {"rm.score.weight": _seeded_normal(getattr(model.config, "initializer_range", 0.02), seed)}
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    a = cfg.actor
+    a = actor_cfg
     return FSDPEngine(
         RewardModule(model),
         ctx,

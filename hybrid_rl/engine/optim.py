@@ -5,8 +5,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
+
+class OptimSettings(Protocol):
+    """The part of the ``actor`` config the optimizer and its schedule read (``ActorConfig`` has it)."""
+
+    lr: float
+    weight_decay: float
+    betas: list[float]
+    warmup_steps: int
+    lr_schedule: str
+    min_lr_ratio: float
+    grad_clip: float
+    optimizer_impl: str
 
 @dataclass
 class OptimConfig:
@@ -24,7 +36,7 @@ class OptimConfig:
     impl: str = "fused"
 
     @classmethod
-    def from_actor(cls, actor_cfg: Any, total_steps: int) -> OptimConfig:
+    def from_actor(cls, actor_cfg: OptimSettings, total_steps: int) -> OptimConfig:
         """The optimizer and schedule an ``actor`` config section describes."""
         return cls(
             lr=actor_cfg.lr,

@@ -187,7 +187,7 @@ def build_rl_parts(cfg: Config, ctx: DistContext, model_path: str, reward_model_
     # Held-out accuracy is always the verifier's, whatever the training reward is.
     verifier = {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}}
     val_pool = pool if any(f.name == "math" for f in cfg.reward.functions) else RewardPool(OmegaConf.merge(cfg.reward, verifier))
-    rms = [build_reward_engine(p, cfg, ctx, 1, trainable=False) for p in reward_model_paths or []]
+    rms = [build_reward_engine(p, cfg.model, cfg.actor, ctx, 1, trainable=False, seed=cfg.trainer.seed) for p in reward_model_paths or []]
     sampler = PromptSampler(len(train), d.train_batch_size, d.seed, d.shuffle)
     data = {**train_report.metrics("train"), **val_report.metrics("val")}
     return RLParts(tok, tools, train, val, sampler, actor, ref, critic, engine, switch, pool, val_pool, rms, data, model_path)

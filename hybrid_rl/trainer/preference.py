@@ -236,7 +236,7 @@ def run_rm(cfg: Config, ctx: DistContext, model_path: str, export_dir: str | Non
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)
     bs = cfg.data.train_batch_size
     steps = offline_steps(cfg, len(train))
-    engine = build_reward_engine(model_path, cfg, ctx, steps, trainable=True)
+    engine = build_reward_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True, seed=cfg.trainer.seed)
     engine.micro_batch_size = _micro(cfg, group)
     logger = offline_logger(cfg, ctx, steps)
     before = rm_eval(engine, val, tok.pad_token_id)

@@ -107,7 +107,7 @@ def sharded_init(ctx, path: str) -> dict[str, float]:
         "policy": (build_policy_engine(path, mc, ac, ctx, 10), lambda n: n.removeprefix("lm.")),
         "critic": (build_value_engine(path, mc, CriticConfig(), ac, ctx, 10), lambda n: "model." + n.removeprefix("body.")),
         "reward": (
-            build_reward_engine(path, SimpleNamespace(model=mc, actor=ac, trainer=SimpleNamespace(seed=0)), ctx, 1, False),
+            build_reward_engine(path, mc, ac, ctx, 1, False, seed=0),
             lambda n: n.removeprefix("rm."),
         ),
     }
