@@ -37,7 +37,6 @@ class Sample:
     # learned reward), and `acc`, the rule-based functions' score alone (DAPO's filter metric).
     score: float = 0.0
     acc: float = 0.0
-    reward_extra: dict = field(default_factory=dict)
     # ReMax: the reward of the greedy answer to the same prompt.
     baseline_score: float = 0.0
 

@@ -168,18 +168,6 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def is_cuda_available() -> bool:
-    """CUDA without importing torch (so env vars can still be set before torch loads)."""
-    if os.environ.get("HYBRID_RL_FORCE_CPU") == "1":
-        return False
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return False
-
-
 def setup_process_env(threads_per_rank: int | None = None) -> None:
     """Set the environment variables the stack needs, keeping any the user set."""
     root = cache_root()

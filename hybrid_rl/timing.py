@@ -148,7 +148,3 @@ class PhaseTimer:
             for mk, mv in mem.items():
                 out[f"memory/{self.prefix}/{names.get(k, k)}/{mk}"] = mv
         return out
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.memory.clear()

@@ -238,7 +238,7 @@ class RolloutCollector:
         )
         learned, members, z = self.score_with_reward_models(samples)
         for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):
-            s.score, s.acc, s.reward_extra = r.score + p + lr, r.score, {**r.components, **r.extra}
+            s.score, s.acc = r.score + p + lr, r.score
         self.reward_pool.check_failures(results)
         scores = torch.tensor([s.score for s in samples])
         groups = torch.tensor([s.group for s in samples])

@@ -73,11 +73,6 @@ class MetricsLogger:
             log.warning("logger backend %s is enabled but not installed (pip install %s); skipping it", name, name)
             return None
 
-    def set_progress(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.refresh()
-
     def log_text(self, step: int, tag: str, text: str) -> None:
         """Text (markdown) for TensorBoard's text tab, e.g. generated samples."""
         if self.enabled and self.tb is not None:
