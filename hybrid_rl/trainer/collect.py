@@ -165,13 +165,15 @@ class RolloutCollector:
             s.baseline_score = greedy.samples[i // per_prompt].score
         rollout.stats["rollout/greedy_baseline_mean"] = sum(g.score for g in greedy.samples) / len(greedy.samples)
 
-    def collect(self, step_idx: int, timer: PhaseTimer, m: dict[str, float]) -> Rollout:
-        """Generate and score; with ``algorithm.filter_groups.enable`` keep drawing batches until enough
-        informative groups are collected (DAPO dynamic sampling), then deal them out to ranks.
-        ``step_idx`` is the number of finished steps (it keys the sampling seeds)."""
+    def collect(self, step_idx: int, timer: PhaseTimer) -> tuple[Rollout, dict[str, float]]:
+        """This rank's scored samples and the reward metrics. Generate and score; with
+        ``algorithm.filter_groups.enable`` keep drawing batches until enough informative groups
+        are collected (DAPO dynamic sampling), then deal them out to ranks. ``step_idx`` is the
+        number of finished steps (it keys the sampling seeds)."""
         self.step_idx = step_idx
         a = self.cfg.algorithm
         error, rollout = None, None
+        m: dict[str, float] = {}
         try:
             with timer.phase("generate"):
                 maybe_fail("generate", self.step_idx + 1, self.ctx.rank)
@@ -182,7 +184,7 @@ class RolloutCollector:
             error = e
         raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
         if not a.filter_groups.enable:
-            return rollout
+            return rollout, m
         target = self.cfg.data.train_batch_size * self.cfg.rollout.n
         kept, drawn, rounds = [], 0, 0
         round_metrics = [{k: v for k, v in m.items() if k.startswith(REWARD_METRICS)}]
@@ -215,7 +217,7 @@ class RolloutCollector:
                 "dapo/used_samples": float(used),
             }
         )
-        return Rollout(mine, rollout.weights_version, rollout.stats)
+        return Rollout(mine, rollout.weights_version, rollout.stats), m
 
     def score(self, rollout: Rollout) -> dict[str, float]:
         samples = rollout.samples

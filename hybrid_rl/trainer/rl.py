@@ -112,9 +112,8 @@ class RLTrainer:
     def step(self) -> dict[str, float]:
         """One RL step; reads as the phases it runs."""
         timer = PhaseTimer(STEP_PREFIX, self.ctx.device)
-        m: dict[str, float] = {}
         with timer.phase("step"):
-            rollout = self.collector.collect(self.step_idx, timer, m)
+            rollout, m = self.collector.collect(self.step_idx, timer)
             with timer.phase("switch_to_train"):
                 m.update(switch_metrics(self.switch.to_train()))
             m.update(self.train_on_batch(rollout, timer))

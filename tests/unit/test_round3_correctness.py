@@ -105,8 +105,7 @@ def test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length(ctx,
     collector = RolloutCollector(cfg, ctx, parts)
     collector.next_prompts = lambda: []
     collector.generate = lambda prompts, round_idx=0: Rollout(list(samples), 0)
-    m: dict[str, float] = {}
-    out = collector.collect(0, PhaseTimer(), m)
+    out, m = collector.collect(0, PhaseTimer())
     assert [s.score for s in samples[:4]] == [1.0, 1.0, 1.0, 0.75] and [s.acc for s in samples[:4]] == [1.0] * 4
     assert len(out.samples) == kept and m["dapo/kept_samples"] == kept
 
