@@ -80,6 +80,7 @@ class GradAccumulation(StrEnum):
 class OptimizerImpl(StrEnum):
     fused = "fused"
     foreach = "foreach"
+    bf16_moments = "bf16_moments"
 
 
 class RMLoss(StrEnum):

@@ -207,7 +207,9 @@ class ActorConfig:
     # (each rank keeps 1/N of the gradient) or "unsharded" once after the last (every rank holds
     # the full fp32 gradient for the whole accumulation: fewer collectives, N x the memory).
     grad_accumulation: GradAccumulation = GradAccumulation.sharded
-    # AdamW kernel: fused (no shard-sized temporaries in the step) | foreach (torch's default).
+    # AdamW kernel: fused (no shard-sized temporaries in the step) | foreach (torch's default) |
+    # bf16_moments (both moments stored in bf16 with stochastic rounding: 4 bytes of optimizer
+    # state per parameter instead of 8; engine/adamw_bf16.py).
     optimizer_impl: OptimizerImpl = OptimizerImpl.fused
     # FSDP2 in training: free each layer's gathered weights after its forward (true) or keep them
     # for its backward (false: one all-gather per layer and micro-batch instead of two, for the

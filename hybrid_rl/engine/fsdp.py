@@ -28,7 +28,7 @@ from torch.profiler import record_function
 from hybrid_rl.batch import LossFn, ModelOutputs, TrainBatch
 from hybrid_rl.dist import DistContext, all_reduce_max, all_reduce_sum
 from hybrid_rl.engine.heads import Sampling
-from hybrid_rl.engine.optim import OptimConfig, lr_lambda
+from hybrid_rl.engine.optim import OptimConfig, build_optimizer, lr_lambda
 from hybrid_rl.engine.sharded_init import has_meta_params, materialize
 
 DTYPES = {
@@ -127,13 +127,7 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         if optim is not None:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in module.parameters() if p.requires_grad],
-                lr=optim.lr,
-                betas=tuple(optim.betas),
-                weight_decay=optim.weight_decay,
-                **({"fused": True} if optim.impl == "fused" else {"foreach": True}),
-            )
+            self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], optim)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
         else:
             module.requires_grad_(False)

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 
 class OptimSettings(Protocol):
     """The part of the ``actor`` config the optimizer and its schedule read (``ActorConfig`` has it)."""
@@ -30,9 +32,10 @@ class OptimConfig:
     min_lr_ratio: float
     total_steps: int
     grad_clip: float
-    # AdamW kernel: "fused" (one kernel per step over all shards, no full-size temporaries) or
+    # AdamW kernel: "fused" (one kernel per step over all shards, no full-size temporaries),
     # "foreach" (torch's default: its step allocates temporaries the size of the shards, ~1.5x
-    # the fp32 weights more at the peak; measured by benchmarks/memory_scaling.py).
+    # the fp32 weights more at the peak; measured by benchmarks/memory_scaling.py) or
+    # "bf16_moments" (engine/adamw_bf16.py: the two moments stored in bf16, half the state).
     impl: str = "fused"
 
     @classmethod
@@ -49,6 +52,16 @@ class OptimConfig:
             grad_clip=actor_cfg.grad_clip,
             impl=actor_cfg.optimizer_impl,
         )
+
+
+def build_optimizer(params: list, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with the kernel ``cfg.impl`` names (see :class:`OptimConfig`)."""
+    kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.impl == "bf16_moments":
+        from hybrid_rl.engine.adamw_bf16 import AdamWBf16Moments
+
+        return AdamWBf16Moments(params, **kw)
+    return torch.optim.AdamW(params, **kw, **({"fused": True} if cfg.impl == "fused" else {"foreach": True}))
 
 
 def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
