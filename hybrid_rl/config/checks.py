@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid_rl.config.registered import registered
+from hybrid_rl.data.synth_math import LEVELS as SYNTH_LEVELS
 from hybrid_rl.errors import ConfigError
 from hybrid_rl.models.tiny import PRESETS
 
@@ -77,6 +78,8 @@ def _common(cfg: Config) -> list[str]:
         (0 < d.train_size < d.train_batch_size, f"data.train_size={d.train_size} keeps fewer rows than one batch (data.train_batch_size={d.train_batch_size})"),
         (d.val_size < 0, f"data.val_size={d.val_size} must be >= 0 (0 = every row)"),
         (not 0 < d.synth.heldout_fraction < 1, f"data.synth.heldout_fraction={d.synth.heldout_fraction} must be in (0, 1)"),
+        (not d.synth.levels or not set(d.synth.levels) <= set(SYNTH_LEVELS),
+         f"data.synth.levels={list(d.synth.levels)}: each level must be one of {', '.join(map(str, SYNTH_LEVELS))}"),
         (act.micro_batch_size < 1, f"actor.micro_batch_size={act.micro_batch_size} must be >= 1"),
         (act.lr <= 0, f"actor.lr={act.lr} must be > 0"),
         (cfg.trainer.total_steps < 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1"),

@@ -53,7 +53,7 @@ class SynthMathConfig:
     # Share of arithmetic facts ("7 + 8 = 15") held out of every training split (0 < share < 1).
     heldout_fraction: float = 0.2
     # Difficulty levels (see hybrid_rl.data.synth_math).
-    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    levels: list[int] = field(default_factory=lambda: [1, 6])
     seed: int = 0
     # Share of rows whose tool-use SFT target (extra_info.tool_turns) answers without the tool.
     direct_share: float = 0.0

@@ -11,7 +11,13 @@ level what                                            example answer range
 3     one multiplication, factors 2..10               4..100
 4     two steps (+/-, then x or +/-), numbers <= 20    0..~360
 5     one multiplication of 3-digit by 2-digit        ~1000..~99000 (tool territory)
+6     two 2-digit numbers added column by column      20..198
 ====  ==============================================  ===========================
+
+Level 6 is the procedural one: its worked solution adds the ones digits, then the tens digits,
+then the carry, each a single-digit step, before it states the sum ("7 + 8 = 15. 4 + 3 = 7.
+7 + 1 = 8. 47 + 38 = 85."). A held-out level-6 problem is a sum never worked in training whose
+every digit step is a trained fact: answering it takes the procedure, not recall.
 
 Rows follow verl's parquet schema: ``data_source``, ``prompt`` (chat messages), ``ability``,
 ``reward_model`` (``{"style": "rule", "ground_truth": "12"}``) and ``extra_info`` (split,
@@ -96,8 +102,26 @@ def _two_step(rng: random.Random) -> Problem:
     return Problem(q, ans, sol, 0)
 
 
+LEVELS = (1, 2, 3, 4, 5, 6)
+PROCEDURAL_LEVELS = frozenset({6})
+
+
+def _column_sum(rng: random.Random) -> Problem:
+    """Two 2-digit numbers added digit by digit: ones, tens, the carry, then the sum itself."""
+    name, other = rng.sample(NAMES, 2)
+    item = rng.choice(ITEMS)
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    ones, tens = a % 10 + b % 10, a // 10 + b // 10
+    steps = [f"{a % 10} + {b % 10} = {ones}", f"{a // 10} + {b // 10} = {tens}"]
+    if ones >= 10:
+        steps.append(f"{tens} + 1 = {tens + 1}")
+    steps.append(f"{a} + {b} = {a + b}")
+    q = f"{name} has {a} {item}. {other} has {b} {item}. How many {item} do {name} and {other} have together?"
+    return Problem(q, a + b, ". ".join(steps) + ".", 0)
+
+
 def make_problem(rng: random.Random, level: int) -> Problem:
-    """One problem of the given difficulty level (1..5)."""
+    """One problem of the given difficulty level (1..6)."""
     if level == 1:
         p = _add_or_sub(rng, 10)
     elif level == 2:
@@ -108,8 +132,10 @@ def make_problem(rng: random.Random, level: int) -> Problem:
         p = _two_step(rng)
     elif level == 5:
         p = _multiply(rng, 999, 99, lo_a=100, lo_b=11)
+    elif level == 6:
+        p = _column_sum(rng)
     else:
-        raise ValueError(f"synth_math level must be 1..5, got {level}")
+        raise ValueError(f"synth_math level must be 1..6, got {level}")
     return Problem(p.question, p.answer, p.solution, level)
 
 
@@ -151,6 +177,8 @@ def tool_turns(p: Problem, direct: bool = False) -> list[list[str]]:
     if direct:
         return [["assistant", boxed_answer(p)]]
     steps = [step.split(" = ")[0] for step in p.solution.rstrip(".").split(". ")]
+    if p.level in PROCEDURAL_LEVELS:
+        steps = steps[-1:]  # the digit steps are the working; the tool computes the sum at once
     expr = steps[0]
     for step in steps[1:]:  # "a - b" then "x * k" -> "(a - b) * k"
         expr = f"({expr}) {step.split(' ', 1)[1]}"
@@ -235,7 +263,13 @@ def make_splits(
     def held(p: Problem) -> bool:
         return any(is_held_out(f, seed, heldout_fraction) for f in facts(p))
 
-    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share, keep=held)
+    def held_for_val(p: Problem) -> bool:
+        if p.level not in PROCEDURAL_LEVELS:
+            return held(p)
+        *working, result = facts(p)  # the sum is new; every digit step is a trained fact
+        return is_held_out(result, seed, heldout_fraction) and not any(is_held_out(f, seed, heldout_fraction) for f in working)
+
+    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share, keep=held_for_val)
     train = generate_rows(n_train, "train", seed, levels, direct_share=direct_share, keep=lambda p: not held(p))
     trained = {f for r in train for f in r["extra_info"]["facts"]}
     asked = {r["extra_info"]["question"] for r in train}

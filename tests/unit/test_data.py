@@ -25,7 +25,7 @@ def test_problems_are_correct_and_levels_scale():
     import random
 
     rng = random.Random(0)
-    for level in range(1, 6):
+    for level in synth_math.LEVELS:
         for _ in range(50):
             p = synth_math.make_problem(rng, level)
             assert p.level == level
@@ -75,6 +75,27 @@ def test_held_out_problems_share_no_worked_fact_with_training():
         assert r["data_source"] == synth_math.SEEN_SOURCE
     assert len(splits["val_seen"]) == 256
     assert synth_math.fact_key("8 + 7 = 15") == "7 + 8 = 15" and synth_math.fact_key("9 - 2 = 7") == "9 - 2 = 7"
+
+
+def test_held_out_column_sums_are_new_sums_of_trained_digit_steps():
+    """The default levels (1 and the procedural 6): a held-out level-6 problem's sum ("47 + 38 =
+    85", either order) is in no training row, and each of its digit steps ("7 + 8 = 15") is a
+    trained fact, so it can be answered by the procedure and only by it. The worked steps really
+    compute the sum: ones, tens, the carry, then the two-digit result."""
+    splits = synth_math.make_splits(4000, 512, 128, seed=0, levels=[1, 6])
+    trained = {synth_math.fact_key(f) for r in splits["train"] for f in _worked_facts(r)}
+    column = [r for r in splits["val"] if r["extra_info"]["level"] == 6]
+    assert len(column) == 256
+    for r in column:
+        *digits, total = r["extra_info"]["facts"]
+        assert synth_math.fact_key(total) not in trained, total
+        assert {synth_math.fact_key(f) for f in digits} <= trained, r["extra_info"]["solution"]
+        a, b = (int(x) for x in total.split(" = ")[0].split(" + "))
+        ones, tens = a % 10 + b % 10, a // 10 + b // 10
+        want = [f"{a % 10} + {b % 10} = {ones}", f"{a // 10} + {b // 10} = {tens}"] + ([f"{tens} + 1 = {tens + 1}"] if ones > 9 else [])
+        assert digits == want and int(r["reward_model"]["ground_truth"]) == a + b
+    seen = [r for r in splits["val_seen"] if r["extra_info"]["level"] == 6]
+    assert seen and all({synth_math.fact_key(f) for f in r["extra_info"]["facts"]} <= trained for r in seen)
 
 
 def test_direct_share_changes_only_the_tool_targets():
