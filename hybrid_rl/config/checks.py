@@ -18,6 +18,7 @@ from hybrid_rl.models.tiny import PRESETS
 
 if TYPE_CHECKING:  # annotations only: Config is defined in the package __init__, which imports this module
     from hybrid_rl.config import Config
+    from hybrid_rl.config.groups import LoraConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -45,18 +46,27 @@ def problems(cfg: Config, world_size: int = 1) -> list[str]:
 
 
 def _lora(cfg: Config) -> list[str]:
-    """LoRA trains the RL policy; its adapters reach the engine through vLLM's LoRA slots."""
-    lo = cfg.actor.lora
+    """LoRA trains the RL policy (its adapters reach the engine through vLLM's LoRA slots) and
+    the critic (which never reaches the engine)."""
+    lo, found = cfg.actor.lora, _lora_fields(cfg.critic.lora, "critic.lora")
+    if lo.rank == 0:
+        return found
+    checks = [
+        (lo.rank > 512, f"actor.lora.rank={lo.rank} is above vLLM's largest LoRA rank 512"),
+        (cfg.trainer.task != "rl", f"actor.lora.rank={lo.rank}: LoRA trains the RL policy only (trainer.task={cfg.trainer.task})"),
+        (cfg.rollout.backend != "vllm", f"actor.lora.rank={lo.rank} needs rollout.backend=vllm (the {cfg.rollout.backend!r} backend has no adapters)"),
+    ]  # fmt: skip
+    return _lora_fields(lo, "actor.lora") + [msg for bad, msg in checks if bad] + found
+
+
+def _lora_fields(lo: LoraConfig, key: str) -> list[str]:
     if lo.rank == 0:
         return []
     checks = [
-        (lo.rank < 0, f"actor.lora.rank={lo.rank} must be >= 0 (0 = full fine-tune)"),
-        (lo.rank > 512, f"actor.lora.rank={lo.rank} is above vLLM's largest LoRA rank 512"),
-        (lo.alpha <= 0, f"actor.lora.alpha={lo.alpha} must be > 0"),
-        (not 0 <= lo.dropout < 1, f"actor.lora.dropout={lo.dropout} must be in [0, 1)"),
-        (not lo.target_modules, "actor.lora.target_modules is empty: name the linear layers to adapt (e.g. q_proj, v_proj)"),
-        (cfg.trainer.task != "rl", f"actor.lora.rank={lo.rank}: LoRA trains the RL policy only (trainer.task={cfg.trainer.task})"),
-        (cfg.rollout.backend != "vllm", f"actor.lora.rank={lo.rank} needs rollout.backend=vllm (the {cfg.rollout.backend!r} backend has no adapters)"),
+        (lo.rank < 0, f"{key}.rank={lo.rank} must be >= 0 (0 = full fine-tune)"),
+        (lo.alpha <= 0, f"{key}.alpha={lo.alpha} must be > 0"),
+        (not 0 <= lo.dropout < 1, f"{key}.dropout={lo.dropout} must be in [0, 1)"),
+        (not lo.target_modules, f"{key}.target_modules is empty: name the linear layers to adapt (e.g. q_proj, v_proj)"),
     ]  # fmt: skip
     return [msg for bad, msg in checks if bad]
 

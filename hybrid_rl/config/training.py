@@ -15,6 +15,7 @@ from hybrid_rl.algorithms.params import (
     TISSettings,
 )
 from hybrid_rl.config.enums import Device, LoggerBackend, RMLoss, Task
+from hybrid_rl.config.groups import LoraConfig
 
 
 @dataclass
@@ -95,6 +96,10 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     # Steps at the start that train only the critic (the actor waits for useful values).
     warmup_steps: int = 0
+    # LoRA on the critic's body (critic.lora.rank > 0): the body is frozen and only its adapters
+    # and the value head train (fp32, with their AdamW state); checkpoints hold just those. The
+    # critic never reaches the rollout engine, so any rank works. Same fields as actor.lora.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

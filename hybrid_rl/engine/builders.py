@@ -127,14 +127,26 @@ def build_policy_engine(
     )
 
 
-def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistContext, total_steps: int) -> FSDPEngine:
-    """A critic initialised from the policy checkpoint's body with a zero-initialised value head."""
+def build_value_engine(
+    path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistContext, total_steps: int, lora_seed: int = 0
+) -> FSDPEngine:
+    """A critic initialised from the policy checkpoint's body with a zero-initialised value head.
+    With ``critic.lora.rank > 0`` the body is frozen and trains LoRA adapters (seeded by
+    ``lora_seed``); the value head trains in full either way."""
     from hybrid_rl.engine.heads import ValueModule
 
     sharded = model_cfg.sharded_init
     lm = load_hf_causal_lm(path, MASTER_DTYPE, model_cfg.attn_implementation, ctx.device, model_cfg.trust_remote_code, sharded)
-    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx)).to(MASTER_DTYPE)
     zeros = {"value_head.weight": lambda n, shape: torch.zeros(shape), "value_head.bias": lambda n, shape: torch.zeros(shape)}
+    if critic_cfg.lora.rank > 0:
+        from hybrid_rl.engine import lora
+
+        compute = to_dtype(actor_cfg.param_dtype, ctx.device)
+        lm = lora.inject(lm, critic_cfg.lora, lora_seed, compute if critic_cfg.lora.base_in_compute_dtype else None, "critic.lora")
+        zeros |= {"body." + k.removeprefix("model."): v for k, v in lora.missing_inits(lm, lora_seed).items()}
+    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx))
+    if critic_cfg.lora.rank == 0:
+        module = module.to(MASTER_DTYPE)  # with LoRA the frozen body keeps its dtype; the head is fp32
     optim = OptimConfig(
         lr=critic_cfg.lr,
         weight_decay=actor_cfg.weight_decay,
@@ -155,7 +167,7 @@ def build_value_engine(path: str, model_cfg, critic_cfg, actor_cfg, ctx: DistCon
         param_dtype=to_dtype(actor_cfg.param_dtype, ctx.device),
         reduce_dtype=to_dtype(actor_cfg.reduce_dtype),
         name_prefix="body.",
-        load_shards=_shard_loader(path, lambda n: "model." + n.removeprefix("body."), zeros) if sharded else None,
+        load_shards=_shard_loader(path, lambda n: "model." + n.removeprefix("body.").replace(".base_layer.", "."), zeros) if sharded else None,
         grad_accumulation=actor_cfg.grad_accumulation,
         reshard_after_forward=actor_cfg.reshard_after_forward,
     )

@@ -71,10 +71,10 @@ def peft_name(hf_name: str) -> str:
     return "base_model.model." + hf_name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
 
 
-def inject(lm: nn.Module, lora: Any, seed: int, base_dtype: torch.dtype | None) -> nn.Module:
+def inject(lm: nn.Module, lora: Any, seed: int, base_dtype: torch.dtype | None, key: str = "actor.lora") -> nn.Module:
     """Add adapters to ``lm`` in place: base frozen (cast to ``base_dtype`` if given), adapters fp32
     and trainable. ``A`` is PEFT's init drawn from ``seed`` (the same on every rank), ``B`` is 0, so
-    the adapted model starts equal to the base."""
+    the adapted model starts equal to the base. ``key``: the config section, for the error."""
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(
@@ -85,9 +85,9 @@ def inject(lm: nn.Module, lora: Any, seed: int, base_dtype: torch.dtype | None) 
         try:
             lm = inject_adapter_in_model(config, lm, adapter_name=ADAPTER)
         except ValueError as e:  # PEFT's NoMatchingPeftModuleError, named after our key
-            raise ValueError(f"actor.lora.target_modules={list(lora.target_modules)} matched no linear layer of the model ({e})") from e
+            raise ValueError(f"{key}.target_modules={list(lora.target_modules)} matched no linear layer of the model ({e})") from e
     for name, p in lm.named_parameters():
-        trainable = is_lora(name)
+        trainable = is_lora(name)  # a value head added afterwards trains as it is
         p.requires_grad_(trainable)
         want = torch.float32 if trainable else (base_dtype or p.dtype)
         if p.dtype != want:

@@ -175,7 +175,7 @@ def build_rl_parts(cfg: Config, ctx: DistContext, model_path: str, reward_model_
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
     actor = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True, lora_seed=cfg.trainer.seed)
     ref = build_reference(cfg, ctx, model_path, actor) if a.kl_loss.enable or a.kl_reward.enable else None
-    critic = build_value_engine(model_path, cfg.model, cfg.critic, cfg.actor, ctx, steps) if cfg.critic.enable else None
+    critic = build_value_engine(model_path, cfg.model, cfg.critic, cfg.actor, ctx, steps, cfg.trainer.seed + 1) if cfg.critic.enable else None
     engine = build_rollout_engine(model_path, cfg, ctx, max_model_len(cfg, model_path), cfg.trainer.seed)
     r = cfg.rollout
     switch = HybridSwitch(
