@@ -2,7 +2,8 @@
 
 On a CPU host the fp32 masters and AdamW's moments have nowhere to go (no device to offload
 from), so for a 0.5B model on 2 ranks they are 3 of each rank's ~10 GiB. Storing the moments in
-bf16 saves a quarter of a parameter's training bytes (fp32 master 4 + grad 4 + moments 8 -> 4).
+bf16 saves a quarter of a parameter's training bytes (fp32 master 4 + gradient 4 + moments 8 =
+16 bytes; 12 with bf16 moments).
 
 The update is AdamW's (Loshchilov & Hutter, 2019), computed in fp32 from the bf16 moments:
 
@@ -12,11 +13,12 @@ The update is AdamW's (Loshchilov & Hutter, 2019), computed in fp32 from the bf1
 and the new moments are written back to bf16 with **stochastic rounding** (round up with the
 probability of the dropped fraction, so the stored value is unbiased). Round-to-nearest would
 not do: with b2 = 0.999 the per-step change of v is 0.1% of v, below bf16's 0.4% resolution, so
-v would neither grow nor decay (``tests/unit/test_adamw_bf16.py`` measures both).
+v would neither grow nor decay slowly (``tests/unit/test_adamw_bf16.py`` measures the decay).
 
 Why our own: torch's AdamW (fused and foreach) keeps its moments in the parameter's dtype, and
 torchao's 8-bit AdamW keeps them as tensor subclasses that torch.distributed.checkpoint cannot
-save (pytorch/ao#1185) and that ran ~100x slower than the fused step on CPU. Here the moments are
+save (pytorch/ao#1185) and whose step took 0.30 s against the fused step's 0.0065 s on 16.8M
+parameters on 2 CPU cores (this step: 0.091 s; 2026-12-05, AMD EPYC). Here the moments are
 plain bf16 tensors (DTensors under FSDP2, sharded like their parameter), so checkpoints and
 resharding work as for torch's AdamW. The step walks each shard in chunks of ``CHUNK`` elements,
 so its fp32 temporaries stay small; the rounding noise is read from a fixed table at offsets
@@ -67,7 +69,8 @@ class AdamWBf16Moments(torch.optim.Optimizer):
     def _noise_table(self, device: torch.device) -> Tensor:
         """``2 * CHUNK`` uniform draws in [0, 2^16), made once: each chunk reads a window of it at
         a random offset, which keeps every element's rounding unbiased and costs no generator
-        call per element (drawing fresh noise made the step ~2x slower)."""
+        call per element (drawing fresh noise made the step ~3x slower: 0.29 vs 0.091 s on 16.8M
+        parameters)."""
         if self._noise is None or self._noise.device != device or self._noise.numel() < 2 * CHUNK:
             g = torch.Generator(device=device).manual_seed(0)
             self._noise = torch.randint(0, 1 << 16, (2 * CHUNK,), dtype=torch.int32, generator=g, device=device)
