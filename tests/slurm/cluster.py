@@ -1,8 +1,9 @@
 """A real one-node Slurm cluster for the tests: Debian's slurmctld + slurmd + munge on localhost.
 
 Installs the packages if missing (root + apt), writes a slurm.conf, starts the daemons, waits
-until the node is idle, and tears everything down. See FEASIBILITY notes: proctrack/linuxproc
-(no cgroup plugin on a hybrid cgroup host), batch_sched_delay=0 so jobs start at once.
+until the node is idle, and tears everything down. It uses proctrack/linuxproc
+(no cgroup plugin on a hybrid cgroup host), batch_sched_delay=0 so jobs start at once, and
+MinJobAge=3600 so a finished or failed job's record is still there for a failing test's message.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ SchedulerParameters=batch_sched_delay=0
 MailProg=/bin/true
 ReturnToService=2
 JobRequeue=1
-MinJobAge=300
+MinJobAge=3600
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
@@ -110,6 +111,14 @@ class Cluster:
     def shutdown(self) -> None:
         self.stop()
         run("pkill", "-x", "munged", check=False)
+
+    @staticmethod
+    def log_tail(daemon: str, lines: int = 40) -> str:
+        """The last lines of slurmctld's or slurmd's log (for a failing test's message)."""
+        try:
+            return "\n".join(Path(f"/var/log/{daemon}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"({e})"
 
     @staticmethod
     def job(job_id: str) -> dict[str, str]:
