@@ -49,6 +49,12 @@ def held_out(row: dict, key: str) -> float | None:
     return row.get(f"{key}/{HELD}", row.get(key))
 
 
+def levels(row: dict) -> dict[str, float]:
+    """Held-out greedy accuracy per task level, ``{"level6": 0.60, ...}``."""
+    prefix = f"val/accuracy/{HELD}_"
+    return {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+
+
 def run(recipe: str, steps: int, before: bool, pass_k: int, extra: list[str]) -> dict:
     p, rows, wall = run_trainer(
         [
@@ -76,6 +82,9 @@ def run(recipe: str, steps: int, before: bool, pass_k: int, extra: list[str]) ->
         "meank_after": held_out(after_row, f"val/mean@{pass_k}"),
         "passk_before": held_out(before_row, f"val/pass@{pass_k}"),
         "passk_after": held_out(after_row, f"val/pass@{pass_k}"),
+        # per task level on the held-out problems (level 6: column sums, level 1: unseen facts)
+        "levels_before": levels(before_row),
+        "levels_after": levels(after_row),
         "gain": held_out(after_row, "val/gain"),
         "gain_se": held_out(after_row, "val/gain_se"),
         "train_reward_first": sum(rewards[:k]) / k,
