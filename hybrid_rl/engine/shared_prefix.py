@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
+
+from hybrid_rl.engine.segment_attention import segment_attention
 
 
 def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
@@ -99,17 +100,17 @@ def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                      dropout: float = 0.0, prefix_layout: PrefixLayout | None = None, **kwargs) -> tuple[Tensor, None]:  # fmt: skip
     """A transformers attention function over a :class:`PrefixLayout`: ``query [1, H, N, D]``,
     ``key``/``value [1, KV, N, D]`` -> ``[1, N, H, D]``. Each segment's queries and keys are
-    gathered into ``[S, H, Lq, D]`` / ``[S, H, Lk, D]`` (grouped-query heads repeated) and one SDPA
-    call with the segment masks computes them all; outputs go back to their packed positions."""
+    gathered into ``[S, H, Lq, D]`` / ``[S, KV, Lk, D]`` and one call with the segment masks
+    (:func:`hybrid_rl.engine.segment_attention.segment_attention`) computes them all; outputs go
+    back to their packed positions."""
     lay = prefix_layout
     h, kv = query.shape[1], key.shape[1]
     s, lq = lay.q_index.shape
     q = query[0][:, lay.q_index.flatten()].view(h, s, lq, -1).transpose(0, 1)
     k = key[0][:, lay.k_index.flatten()].view(kv, s, lay.k_index.shape[1], -1).transpose(0, 1)
     v = value[0][:, lay.k_index.flatten()].view(kv, s, lay.k_index.shape[1], -1).transpose(0, 1)
-    if kv != h:
-        k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask, scale=scaling)  # [S, H, Lq, D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = segment_attention(q, k, v, lay.mask, scale)  # [S, H, Lq, D]
     out = out.transpose(1, 2).reshape(s * lq, h, -1)[lay.q_real]
     n = query.shape[2]
     packed = out.new_zeros(n, h, out.shape[-1]).index_copy(0, lay.q_index.flatten()[lay.q_real], out)
