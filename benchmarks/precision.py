@@ -35,21 +35,27 @@ MODES = {
 }
 
 
-def gemm_peak(dtype_name: str, m: int, k: int, n: int, repeats: int = 5) -> float:
-    """Median FLOP/s of an ``m x k @ k x n`` matmul on all cores."""
+def gemm_peak(dtype_name: str, m: int, k: int, n: int, seconds: float = 3.0) -> float:
+    """FLOP/s of an ``m x k @ k x n`` matmul on all cores, as the cores sustain it once warm.
+
+    The matmul runs back to back for ``seconds``, and the rate is taken at the 25th percentile of
+    the call times. A few calls are not enough: on a 2-core AMX Xeon VM (2026-12-06) a bf16
+    2048^3 matmul ran at ~0.7 TFLOP/s for its first ~0.5 s of continuous work and at ~2.1 after,
+    and fell back to ~0.7 after a 0.2 s pause, so a peak from 2 warm-up calls and 5 timed ones
+    came out 3x low (and the MFU against it 3x high)."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = getattr(torch, dtype_name)
     a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    for _ in range(2):
-        a @ b
-    xs = []
-    for _ in range(repeats):
+    xs: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(xs) < 8:
         t = time.perf_counter()
         a @ b
         xs.append(time.perf_counter() - t)
-    return 2.0 * m * k * n / statistics.median(xs)
+    xs.sort()
+    return 2.0 * m * k * n / xs[len(xs) // 4]
 
 
 def peaks(square: int, hidden: int, mlp: int) -> dict[str, dict[str, float]]:

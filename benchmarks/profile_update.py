@@ -1,7 +1,7 @@
 """Benchmark: where one GRPO update's time goes, and what the levers on it buy.
 
     python -m benchmarks.profile_update [--preset base] [--ranks 2] [--prompts 8] [--group 8]
-                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,adamw,compile]
+                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,adamw,compile,sdpa]
 
 Under real torchrun ranks (gloo, one thread each, as the trainer runs them) each rank builds the
 actor of ``+recipe=grpo_math`` on the ``--preset`` model (the default recipe's settings: packing,
@@ -26,7 +26,9 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
 4. Levers (``--levers``), each a full re-measurement: micro-batch sizes, packing and the shared
    prefix off (what they already save), ``actor.reshard_after_forward=false``, foreach vs fused
    AdamW, ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
-   every repeat, so no recompilation is counted).
+   every repeat, so no recompilation is counted). ``sdpa``: the CPU attention kernel of the
+   shared-prefix forward (``hybrid_rl/engine/segment_attention.py``) against SDPA, updates
+   interleaved in the profiled run's processes (what that kernel saves, free of the drift between runs).
 
 Writes results/profile_update_<preset>.json and .png.
 """
@@ -122,6 +124,8 @@ def worker(args: argparse.Namespace) -> None:
     warm = [one() for _ in range(args.warmup)]
     times = [one() for _ in range(args.repeats)]
     result = {"times_s": times, "warmup_s": warm, "median_s": statistics.median(times), "dtype": dtype, "update_flops": update_flops}
+    if args.ab_attention:
+        result["attention_ab"] = attention_ab(one, args.repeats)
     if args.profile:  # the pass an exactly on-policy step skips (actor.recompute_old_logprobs=auto)
         olds = []
         for _ in range(3):
@@ -149,13 +153,30 @@ def worker(args: argparse.Namespace) -> None:
     finish_rank(0)
 
 
-def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False) -> dict:
+def attention_ab(one, repeats: int) -> dict:
+    """Updates with the CPU segment-attention kernel and with SDPA, interleaved in one process, so
+    that the machine's drift (this class of VM runs the same GEMM at 1x-3x speed over minutes)
+    falls on both sides alike."""
+    from hybrid_rl.engine import segment_attention
+
+    cap = segment_attention.MATMUL_MAX_SCORES
+    kernel, sdpa = [], []
+    for _ in range(max(repeats, 3)):
+        for cap_now, xs in ((cap, kernel), (-1, sdpa)):
+            segment_attention.MATMUL_MAX_SCORES = cap_now  # -1: every size goes to SDPA
+            xs.append(one())
+    segment_attention.MATMUL_MAX_SCORES = cap
+    return {"segment_kernel_s": kernel, "sdpa_s": sdpa, "speedup": statistics.median(sdpa) / statistics.median(kernel)}
+
+
+def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False, sdpa: bool = False) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m", "benchmarks.profile_update"]
     cmd += ["--worker", "--out", str(out), "--preset", args.preset, "--ranks", str(args.ranks), "--prompts", str(args.prompts)]
     cmd += ["--group", str(args.group), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--repeats", str(args.repeats)]
     cmd += ["--warmup", str(args.warmup + (2 if compile_layers else 0))]
-    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + [a for kv in extra for a in ("--set", kv)]
+    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + (["--ab-attention"] if sdpa else [])
+    cmd += [a for kv in extra for a in ("--set", kv)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, check=False, timeout=3600)
     text = out.read_text()
@@ -169,7 +190,7 @@ def lever_runs(args: argparse.Namespace) -> list[dict]:
     """One re-measured update per lever setting (``--levers``), against the default settings."""
     rows = []
     levers = [x for x in args.levers.split(",") if x]
-    settings: list[tuple[str, list[str], bool]] = []
+    settings: list[tuple[str, list[str], bool]] = []  # (name, overrides, compile)
     if "micro" in levers:
         settings += [(f"micro_batch_size={m}", [f"actor.micro_batch_size={m}"], False) for m in (16, 32)]
         settings += [("packing off", ["actor.packing=false"], False), ("shared prefix off", ["actor.shared_prefix=false"], False)]
@@ -197,18 +218,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="compute dtype: auto (the trainer's choice here) | float32 | bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--levers", default="micro,reshard,adamw,compile")
+    ap.add_argument("--levers", default="micro,reshard,adamw,compile,sdpa")
     ap.add_argument("--name", default="", help="results/<name>.json (default profile_update_<preset>)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--ab-attention", action="store_true", help="worker: time the attention kernel against SDPA, interleaved")
     ap.add_argument("--set", action="append", default=[], help="worker: a config override key=value")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    base = run(args, [], profile=True)
+    base = run(args, [], profile=True, sdpa="sdpa" in args.levers.split(","))
     if "error" in base:
         raise SystemExit(f"profile_update failed:\n{base['error']}")
     report(args, base, lever_runs(args))
@@ -233,6 +255,7 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
         "matmul_tflops_in_matmul_time": base["update_flops"] / max(gemm_s, 1e-9) / 1e12 / args.ranks,
         "old_logprob_pass_s": base.get("old_logprob_pass_s"),
         "top_ops": base["top_ops"],
+        "attention_ab": base.get("attention_ab"),
         "levers": [{k: v for k, v in r.items() if k in ("lever", "median_s", "times_s", "warmup_s", "error")} for r in levers],
     }
     for r in result["levers"]:
@@ -243,6 +266,9 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
     print(f"update {base['median_s']:.3f} s ({base['dtype']}), {tflops:.4f} TFLOP/s = {tflops / peak:.0%} of the {peak:.3f} GEMM peak")
     for k in BUCKETS:
         print(f"  {k:>18}: {base['buckets_s'][k]:7.3f} s  {shares[k]:5.1%}")
+    if ab := base.get("attention_ab"):
+        print(f"  attention kernel vs SDPA (interleaved): {statistics.median(ab['segment_kernel_s']):.3f} s vs "
+              f"{statistics.median(ab['sdpa_s']):.3f} s, {ab['speedup']:.2f}x")
     fig, (a1, a2) = figure((11, 4), ncols=2)
     a1.barh(list(BUCKETS)[::-1], [shares[k] * 100 for k in BUCKETS][::-1], color="C0")
     a1.set_xlabel("% of the update's wall time (rank 0, profiled)")
