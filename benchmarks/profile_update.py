@@ -1,7 +1,7 @@
 """Benchmark: where one GRPO update's time goes, and what the levers on it buy.
 
     python -m benchmarks.profile_update [--preset base] [--ranks 2] [--prompts 8] [--group 8]
-                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,adamw,compile,sdpa]
+                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,reduce,adamw,compile,sdpa]
 
 Under real torchrun ranks (gloo, one thread each, as the trainer runs them) each rank builds the
 actor of ``+recipe=grpo_math`` on the ``--preset`` model (the default recipe's settings: packing,
@@ -24,7 +24,8 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
    2048^3 matmul on all cores), and the matmuls' own rate per rank (the FLOPs over the time the
    profile puts in the GEMM, attention and head buckets).
 4. Levers (``--levers``), each a full re-measurement: micro-batch sizes, packing and the shared
-   prefix off (what they already save), ``actor.reshard_after_forward=false``, foreach vs fused
+   prefix off (what they already save), ``actor.reshard_after_forward=false``,
+   ``actor.reduce_dtype=bfloat16`` (gradients reduce-scattered in bf16), foreach vs fused
    AdamW, ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
    every repeat, so no recompilation is counted). ``sdpa``: the CPU attention kernel of the
    shared-prefix forward (``hybrid_rl/engine/segment_attention.py``) against SDPA, updates
@@ -154,19 +155,20 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def attention_ab(one, repeats: int) -> dict:
-    """Updates with the CPU segment-attention kernel and with SDPA, interleaved in one process, so
-    that the machine's drift (this class of VM runs the same GEMM at 1x-3x speed over minutes)
-    falls on both sides alike."""
+    """Updates with the CPU segment-attention kernel and with SDPA, in interleaved pairs in one
+    process, so that the machine's drift (this class of VM runs the same GEMM at 1x-3x speed over
+    minutes) falls on both sides of a pair alike; the speedup is the median of the pairs' ratios."""
     from hybrid_rl.engine import segment_attention
 
     cap = segment_attention.MATMUL_MAX_SCORES
     kernel, sdpa = [], []
-    for _ in range(max(repeats, 3)):
+    for _ in range(max(repeats, 5)):
         for cap_now, xs in ((cap, kernel), (-1, sdpa)):
             segment_attention.MATMUL_MAX_SCORES = cap_now  # -1: every size goes to SDPA
             xs.append(one())
     segment_attention.MATMUL_MAX_SCORES = cap
-    return {"segment_kernel_s": kernel, "sdpa_s": sdpa, "speedup": statistics.median(sdpa) / statistics.median(kernel)}
+    ratios = [b / a for a, b in zip(kernel, sdpa)]
+    return {"segment_kernel_s": kernel, "sdpa_s": sdpa, "pair_ratios": ratios, "speedup": statistics.median(ratios)}
 
 
 def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False, sdpa: bool = False) -> dict:
@@ -196,6 +198,8 @@ def lever_runs(args: argparse.Namespace) -> list[dict]:
         settings += [("packing off", ["actor.packing=false"], False), ("shared prefix off", ["actor.shared_prefix=false"], False)]
     if "reshard" in levers:
         settings.append(("reshard_after_forward=false", ["actor.reshard_after_forward=false"], False))
+    if "reduce" in levers:
+        settings.append(("reduce_dtype=bfloat16", ["actor.reduce_dtype=bfloat16"], False))
     if "adamw" in levers:
         settings.append(("AdamW foreach", ["actor.optimizer_impl=foreach"], False))
     if "compile" in levers:
@@ -218,7 +222,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="compute dtype: auto (the trainer's choice here) | float32 | bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--levers", default="micro,reshard,adamw,compile,sdpa")
+    ap.add_argument("--levers", default="micro,reshard,reduce,adamw,compile,sdpa")
     ap.add_argument("--name", default="", help="results/<name>.json (default profile_update_<preset>)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--profile", action="store_true")
@@ -268,7 +272,7 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
         print(f"  {k:>18}: {base['buckets_s'][k]:7.3f} s  {shares[k]:5.1%}")
     if ab := base.get("attention_ab"):
         print(f"  attention kernel vs SDPA (interleaved): {statistics.median(ab['segment_kernel_s']):.3f} s vs "
-              f"{statistics.median(ab['sdpa_s']):.3f} s, {ab['speedup']:.2f}x")
+              f"{statistics.median(ab['sdpa_s']):.3f} s, median pair ratio {ab['speedup']:.2f}x")
     fig, (a1, a2) = figure((11, 4), ncols=2)
     a1.barh(list(BUCKETS)[::-1], [shares[k] * 100 for k in BUCKETS][::-1], color="C0")
     a1.set_xlabel("% of the update's wall time (rank 0, profiled)")
