@@ -39,7 +39,7 @@ class MatmulAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
         s, kv, glq, _ = q.shape
         lq, lk = bias.shape[-2], bias.shape[-1]
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+        scores = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))  # scale on the small operand
         scores = scores.view(s, kv, glq // lq, lq, lk).add_(bias).view(s, kv, glq, lk)
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(p, v)
@@ -52,9 +52,10 @@ class MatmulAttention(torch.autograd.Function):
         q, k, v, p, o = ctx.saved_tensors
         do = do.contiguous()
         dv = torch.matmul(p.transpose(-1, -2), do)
-        dp = torch.matmul(do, v.transpose(-1, -2)).float()
+        dp = torch.matmul(do, v.transpose(-1, -2))
         delta = (do.float() * o.float()).sum(-1, keepdim=True)
-        ds = dp.sub_(delta).mul_(p.float()).to(q.dtype)
+        # mixed-dtype ops compute in fp32 without materialising fp32 copies of dP and P
+        ds = torch.sub(dp, delta).mul_(p).to(q.dtype)
         dq = torch.matmul(ds, k).mul_(ctx.scale)
         dk = torch.matmul(ds.transpose(-1, -2), q).mul_(ctx.scale)
         return dq, dk, dv, None, None
