@@ -6,7 +6,8 @@ or when the scores would be large, it calls ``F.scaled_dot_product_attention``. 
 :class:`MatmulAttention`: torch's CPU flash-attention backward with a mask runs ~7x slower than
 its forward (bf16, 72 segments x 14 heads x 64 x 110, one thread of an AMX Xeon, 2026-12-05:
 ~30 ms forward, ~210 ms backward), while the same math as batched GEMMs with a hand-written
-backward takes ~36 + ~72 ms (``benchmarks/profile_update.py`` measures it inside an update).
+backward takes ~40 + ~62 ms (``benchmarks/profile_update.py --levers sdpa`` measures it inside an
+update: 1.28x on the whole update there).
 """
 
 from __future__ import annotations
