@@ -146,6 +146,31 @@ def carried_runs(path: str, args: argparse.Namespace) -> tuple[dict[str, list[di
     return {r: [dict(x, carried_from=x.get("carried_from", source["time"])) for x in rs] for r, rs in old["runs"].items() if r not in fresh}, source
 
 
+def plot(ok: list[dict], sft: dict, n_seeds: int, steps: int, k: int):
+    """Bars of held-out greedy (and mean@k) per recipe, the SFT start as a line; carried rows starred."""
+    panels = [("val_after", "greedy", "held-out greedy accuracy")]
+    if k and all("meank_after" in r for r in ok):
+        panels.append(("meank_after", f"mean@{k}", f"held-out mean@{k} (sampled)"))
+    fig, axes = figure((5.5 * len(panels), 3.8), ncols=len(panels))
+    axes = list(axes) if len(panels) > 1 else [axes]
+    names = [r["recipe"].removesuffix("_math") + ("*" if "carried_from" in r else "") for r in ok]
+    carried_times = sorted({r["carried_from"] for r in ok if "carried_from" in r})
+    for ax, (key, start_key, label) in zip(axes, panels, strict=True):
+        means = [r[key]["mean"] for r in ok]
+        err = [[m - r[key]["min"] for m, r in zip(means, ok, strict=True)], [r[key]["max"] - m for m, r in zip(means, ok, strict=True)]]
+        ax.bar(names, means, yerr=err, capsize=4, color="C0", label=f"mean over {n_seeds} seeds (bars: min..max)")
+        if sft[start_key] is not None:
+            ax.axhline(sft[start_key], color="k", ls="--", lw=1, label=f"SFT start ({sft[start_key]:.3f})")
+        ax.legend(fontsize=8)
+        ax.set_ylabel(f"{label} after {steps} steps", fontsize=9)
+        if carried_times:
+            ax.set_xlabel(f"* carried over from the run(s) of {', '.join(carried_times)}", fontsize=8)
+        lo = min([r[key]["min"] for r in ok] + [sft[start_key] if sft[start_key] is not None else 1])
+        ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r[key]["max"] for r in ok) + 0.05))
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+    return fig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=250, help="the recipes' own budget")
@@ -202,26 +227,7 @@ def main() -> None:
             f"{r['recipe']:>28}: greedy {fmt(r, 'val_after')}  mean@{k} {fmt(r, 'meank_after')}  "
             f"train reward {fmt(r, 'train_reward_last')}  ({r['seeds']} seeds: mean (min..max))"
         )
-    panels = [("val_after", "greedy", "held-out greedy accuracy")]
-    if k and all("meank_after" in r for r in ok):
-        panels.append(("meank_after", f"mean@{k}", f"held-out mean@{k} (sampled)"))
-    fig, axes = figure((5.5 * len(panels), 3.8), ncols=len(panels))
-    axes = list(axes) if len(panels) > 1 else [axes]
-    names = [r["recipe"].removesuffix("_math") + ("*" if "carried_from" in r else "") for r in ok]
-    carried_times = sorted({r["carried_from"] for r in ok if "carried_from" in r})
-    for ax, (key, start_key, label) in zip(axes, panels, strict=True):
-        means = [r[key]["mean"] for r in ok]
-        err = [[m - r[key]["min"] for m, r in zip(means, ok, strict=True)], [r[key]["max"] - m for m, r in zip(means, ok, strict=True)]]
-        ax.bar(names, means, yerr=err, capsize=4, color="C0", label=f"mean over {len(seeds)} seeds (bars: min..max)")
-        if sft[start_key] is not None:
-            ax.axhline(sft[start_key], color="k", ls="--", lw=1, label=f"SFT start ({sft[start_key]:.3f})")
-        ax.legend(fontsize=8)
-        ax.set_ylabel(f"{label} after {args.steps} steps", fontsize=9)
-        if carried_times:
-            ax.set_xlabel(f"* carried over from the run(s) of {', '.join(carried_times)}", fontsize=8)
-        lo = min([r[key]["min"] for r in ok] + [sft[start_key] if sft[start_key] is not None else 1])
-        ax.set_ylim(max(0.0, lo - 0.05), min(1.0, max(r[key]["max"] for r in ok) + 0.05))
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig = plot(ok, sft, len(seeds), args.steps, k)
     print(f"wrote {path} and {save_figure(fig, 'compare_algorithms')}")
 
 
