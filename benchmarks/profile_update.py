@@ -171,13 +171,13 @@ def attention_ab(one, repeats: int) -> dict:
     return {"segment_kernel_s": kernel, "sdpa_s": sdpa, "pair_ratios": ratios, "speedup": statistics.median(ratios)}
 
 
-def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False, sdpa: bool = False) -> dict:
+def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False, ab_attention: bool = False) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m", "benchmarks.profile_update"]
     cmd += ["--worker", "--out", str(out), "--preset", args.preset, "--ranks", str(args.ranks), "--prompts", str(args.prompts)]
     cmd += ["--group", str(args.group), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--repeats", str(args.repeats)]
     cmd += ["--warmup", str(args.warmup + (2 if compile_layers else 0))]
-    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + (["--ab-attention"] if sdpa else [])
+    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + (["--ab-attention"] if ab_attention else [])
     cmd += [a for kv in extra for a in ("--set", kv)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, check=False, timeout=3600)
@@ -234,7 +234,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    base = run(args, [], profile=True, sdpa="sdpa" in args.levers.split(","))
+    base = run(args, [], profile=True, ab_attention="sdpa" in args.levers.split(","))
     if "error" in base:
         raise SystemExit(f"profile_update failed:\n{base['error']}")
     report(args, base, lever_runs(args))
