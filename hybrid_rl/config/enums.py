@@ -72,6 +72,11 @@ class RecomputeOld(StrEnum):
     always = "always"
 
 
+class PrefixAttention(StrEnum):
+    matmul = "matmul"
+    sdpa = "sdpa"
+
+
 class GradAccumulation(StrEnum):
     sharded = "sharded"
     unsharded = "unsharded"
@@ -112,6 +117,7 @@ __all__ = [
     "LRSchedule",
     "LoggerBackend",
     "OptimizerImpl",
+    "PrefixAttention",
     "RMLoss",
     "RecomputeOld",
     "ReduceDType",

@@ -11,6 +11,7 @@ from hybrid_rl.config.enums import (
     GradAccumulation,
     LRSchedule,
     OptimizerImpl,
+    PrefixAttention,
     RecomputeOld,
     ReduceDType,
     SyncTransport,
@@ -186,6 +187,11 @@ class ActorConfig:
     # transformers' attention interface, with sliding-window layers, or with gradient checkpointing.
     # Actor, reference and critic.
     shared_prefix: bool = True
+    # Attention kernel of the shared-prefix forward on CPU: matmul (batched GEMMs with a backward
+    # of its own, engine/segment_attention.py; ~1.3x faster updates where torch's masked CPU
+    # flash-attention backward is slow) | sdpa (torch's scaled_dot_product_attention). CUDA, and
+    # score tensors over 32M elements, always use sdpa.
+    prefix_attention: PrefixAttention = PrefixAttention.matmul
     # Passes over each rollout batch (PPO epochs).
     epochs: int = 1
     # Old log-probs: "auto" skips the extra forward pass when the update is exactly on-policy

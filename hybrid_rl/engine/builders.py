@@ -114,7 +114,9 @@ def build_policy_engine(
         missing = lora.missing_inits(lm, lora_seed)
         missing = {"lm." + k: v for k, v in missing.items()}
     return FSDPEngine(
-        PolicyModule(lm, actor_cfg.logprob_chunk, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx)),
+        PolicyModule(
+            lm, actor_cfg.logprob_chunk, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx), actor_cfg.prefix_attention
+        ),
         ctx,
         OptimConfig.from_actor(actor_cfg, total_steps) if trainable else None,
         micro_batch_size=actor_cfg.micro_batch_size,
@@ -144,7 +146,8 @@ def build_value_engine(
         compute = to_dtype(actor_cfg.param_dtype, ctx.device)
         lm = lora.inject(lm, critic_cfg.lora, lora_seed, compute if critic_cfg.lora.base_in_compute_dtype else None, "critic.lora")
         zeros |= {"body." + k.removeprefix("model."): v for k, v in lora.missing_inits(lm, lora_seed).items()}
-    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing, use_shared_prefix(lm, actor_cfg, ctx))
+    shared = use_shared_prefix(lm, actor_cfg, ctx)
+    module = ValueModule(lm.model, lm.config.hidden_size, actor_cfg.packing, shared, actor_cfg.prefix_attention)
     if critic_cfg.lora.rank == 0:
         module = module.to(MASTER_DTYPE)  # with LoRA the frozen body keeps its dtype; the head is fp32
     optim = OptimConfig(

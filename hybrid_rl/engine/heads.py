@@ -185,14 +185,15 @@ def body_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, posi
 
 
 def hidden_states(
-    body: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, packing: bool, shared_prefix: bool
-) -> Tensor:
-    """``[B, T, H]``: :func:`shared_prefix_hidden` when asked and some rows share a prompt, else
-    :func:`body_hidden` (packed or padded)."""
+    body: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, packing: bool,
+    shared_prefix: bool, prefix_kernel: str = "matmul",
+) -> Tensor:  # fmt: skip
+    """``[B, T, H]``: :func:`shared_prefix_hidden` (its segment attention by ``prefix_kernel``)
+    when asked and some rows share a prompt, else :func:`body_hidden` (packed or padded)."""
     if shared_prefix and input_ids.shape[0] > 1 and prompt_len < input_ids.shape[1]:
         groups = prompt_groups(input_ids, attention_mask, prompt_len)
         if groups[0].shape[0] < input_ids.shape[0]:  # some rows share a prompt
-            return shared_prefix_hidden(body, input_ids, attention_mask, position_ids, prompt_len, groups)
+            return shared_prefix_hidden(body, input_ids, attention_mask, position_ids, prompt_len, groups, prefix_kernel)
     return body_hidden(body, input_ids, attention_mask, position_ids, packing)
 
 
@@ -203,12 +204,15 @@ class PolicyModule(nn.Module):
     response token ``j``.
     """
 
-    def __init__(self, lm: nn.Module, logprob_chunk: int = 1024, packing: bool = False, shared_prefix: bool = False) -> None:
+    def __init__(
+        self, lm: nn.Module, logprob_chunk: int = 1024, packing: bool = False, shared_prefix: bool = False, prefix_kernel: str = "matmul"
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.logprob_chunk = logprob_chunk
         self.packing = packing
         self.shared_prefix = shared_prefix
+        self.prefix_kernel = prefix_kernel
 
     def forward(
         self,
@@ -218,7 +222,9 @@ class PolicyModule(nn.Module):
         prompt_len: int,
         temperature: Sampling | float = 1.0,
     ) -> ModelOutputs:
-        hidden = hidden_states(self.lm.model, input_ids, attention_mask, position_ids, prompt_len, self.packing, self.shared_prefix)
+        hidden = hidden_states(
+            self.lm.model, input_ids, attention_mask, position_ids, prompt_len, self.packing, self.shared_prefix, self.prefix_kernel
+        )
         b, t = input_ids.shape
         r = t - prompt_len
         h = hidden[:, prompt_len - 1 : t - 1].reshape(b * r, -1)
@@ -242,11 +248,14 @@ class ValueModule(nn.Module):
     (hidden state at position P - 1 + j), the same alignment as the log-probs.
     """
 
-    def __init__(self, body: nn.Module, hidden_size: int, packing: bool = False, shared_prefix: bool = False) -> None:
+    def __init__(
+        self, body: nn.Module, hidden_size: int, packing: bool = False, shared_prefix: bool = False, prefix_kernel: str = "matmul"
+    ) -> None:
         super().__init__()
         self.body = body
         self.packing = packing
         self.shared_prefix = shared_prefix
+        self.prefix_kernel = prefix_kernel
         self.value_head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -259,7 +268,9 @@ class ValueModule(nn.Module):
         prompt_len: int,
         temperature: Sampling | float = 1.0,
     ) -> ModelOutputs:
-        hidden = hidden_states(self.body, input_ids, attention_mask, position_ids, prompt_len, self.packing, self.shared_prefix)
+        hidden = hidden_states(
+            self.body, input_ids, attention_mask, position_ids, prompt_len, self.packing, self.shared_prefix, self.prefix_kernel
+        )
         t = input_ids.shape[1]
         h = hidden[:, prompt_len - 1 : t - 1]
         return ModelOutputs(values=self.value_head(h).squeeze(-1).float())

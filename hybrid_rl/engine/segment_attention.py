@@ -81,10 +81,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """:func:`matmul_attention` on CPU while its saved scores stay under
-    :data:`MATMUL_MAX_SCORES` elements, else :func:`sdpa_attention`."""
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, kernel: str = "matmul") -> Tensor:
+    """:func:`matmul_attention` when ``kernel`` is ``"matmul"`` (``actor.prefix_attention``), on
+    CPU, while its saved scores stay under :data:`MATMUL_MAX_SCORES` elements; else
+    :func:`sdpa_attention`."""
     s, h, lq, _ = q.shape
-    if q.device.type == "cpu" and s * h * lq * k.shape[2] <= MATMUL_MAX_SCORES:
+    if kernel == "matmul" and q.device.type == "cpu" and s * h * lq * k.shape[2] <= MATMUL_MAX_SCORES:
         return matmul_attention(q, k, v, mask, scale)
     return sdpa_attention(q, k, v, mask, scale)

@@ -97,12 +97,13 @@ def prefix_layout(
 
 
 def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
-                     dropout: float = 0.0, prefix_layout: PrefixLayout | None = None, **kwargs) -> tuple[Tensor, None]:  # fmt: skip
+                     dropout: float = 0.0, prefix_layout: PrefixLayout | None = None, prefix_kernel: str = "matmul",
+                     **kwargs) -> tuple[Tensor, None]:  # fmt: skip
     """A transformers attention function over a :class:`PrefixLayout`: ``query [1, H, N, D]``,
     ``key``/``value [1, KV, N, D]`` -> ``[1, N, H, D]``. Each segment's queries and keys are
     gathered into ``[S, H, Lq, D]`` / ``[S, KV, Lk, D]`` and one call with the segment masks
-    (:func:`hybrid_rl.engine.segment_attention.segment_attention`) computes them all; outputs go
-    back to their packed positions."""
+    (:func:`hybrid_rl.engine.segment_attention.segment_attention`, with ``prefix_kernel``)
+    computes them all; outputs go back to their packed positions."""
     lay = prefix_layout
     h, kv = query.shape[1], key.shape[1]
     s, lq = lay.q_index.shape
@@ -110,7 +111,7 @@ def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     k = key[0][:, lay.k_index.flatten()].view(kv, s, lay.k_index.shape[1], -1).transpose(0, 1)
     v = value[0][:, lay.k_index.flatten()].view(kv, s, lay.k_index.shape[1], -1).transpose(0, 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = segment_attention(q, k, v, lay.mask, scale)  # [S, H, Lq, D]
+    out = segment_attention(q, k, v, lay.mask, scale, prefix_kernel)  # [S, H, Lq, D]
     out = out.transpose(1, 2).reshape(s * lq, h, -1)[lay.q_real]
     n = query.shape[2]
     packed = out.new_zeros(n, h, out.shape[-1]).index_copy(0, lay.q_index.flatten()[lay.q_real], out)
@@ -138,6 +139,7 @@ def shared_prefix_hidden(
     position_ids: Tensor,
     prompt_len: int,
     groups: tuple[Tensor, Tensor] | None = None,
+    kernel: str = "matmul",
 ) -> Tensor:
     """Last hidden states ``[B, T, H]`` with each distinct prompt computed once, padding-free.
 
@@ -145,9 +147,9 @@ def shared_prefix_hidden(
     times. Here the body runs on one packed row holding every distinct prompt once and then every
     response (:func:`prefix_layout`); the projections and MLPs see ``U P + sum(R_i)`` tokens
     instead of ``B P + sum(R_i)``. Attention (:func:`prefix_attention`, switched in for this call
-    only) lets a response's tokens see exactly the keys they see in the plain forward (their
-    prompt's and their own earlier ones) at the same positions, so log-probs and gradients match
-    it to float rounding (in backward the G responses' gradients into their prompt add up at its
+    only, with the segment ``kernel``: ``actor.prefix_attention``) lets a response's tokens see
+    exactly the keys they see in the plain forward (their prompt's and their own earlier ones) at
+    the same positions, so log-probs and gradients match it to float rounding (in backward the G responses' gradients into their prompt add up at its
     one copy). The hidden states are scattered back to the padded ``[B, T]`` layout (zeros on
     padding; a prompt's states repeated on each of its rows). Verl's prefix grouper computes the
     same split of attention.
@@ -157,7 +159,9 @@ def shared_prefix_hidden(
     saved = config._attn_implementation
     config._attn_implementation = "hybrid_rl_prefix"
     try:
-        out = body(input_ids=lay.ids, position_ids=lay.positions, attention_mask=None, use_cache=False, prefix_layout=lay)
+        out = body(
+            input_ids=lay.ids, position_ids=lay.positions, attention_mask=None, use_cache=False, prefix_layout=lay, prefix_kernel=kernel
+        )
     finally:
         config._attn_implementation = saved
     flat = out.last_hidden_state[0]

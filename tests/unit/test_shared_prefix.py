@@ -41,9 +41,17 @@ def grads(module):
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
 @pytest.mark.parametrize("head", ["policy", "critic"])
-def test_shared_prefix_matches_the_plain_forward(micro_path, head):
+def test_shared_prefix_matches_the_plain_forward(micro_path, head, kernel, monkeypatch):
+    """With either segment kernel (actor.prefix_attention), and the chosen one is the one that runs."""
     from transformers import AutoModelForCausalLM
+
+    from hybrid_rl.engine import segment_attention
+
+    calls = []
+    real_apply = segment_attention.MatmulAttention.apply
+    monkeypatch.setattr(segment_attention.MatmulAttention, "apply", lambda *a: calls.append(1) or real_apply(*a))
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(micro_path, dtype=torch.float32, attn_implementation="sdpa")
@@ -53,7 +61,7 @@ def test_shared_prefix_matches_the_plain_forward(micro_path, head):
         plain = ValueModule(lm.model, lm.config.hidden_size, packing=True)
         torch.nn.init.normal_(plain.value_head.weight)  # a zero head would pass anything
     shared = copy.deepcopy(plain)
-    shared.shared_prefix = True
+    shared.shared_prefix, shared.prefix_kernel = True, kernel
     ids, mask, pos, p = batch(lm.config.vocab_size)
     first, inverse = prompt_groups(ids, mask, p)
     assert first.shape[0] == 3 and inverse.tolist() == [inverse[0]] * 3 + [inverse[3]] * 2 + [inverse[5]]
@@ -65,6 +73,7 @@ def test_shared_prefix_matches_the_plain_forward(micro_path, head):
         ((value * resp).sum() + (out.entropy * resp).sum() if head == "policy" else (value * resp).sum()).backward()
         outs.append((value * resp, out.entropy * resp if head == "policy" else None, grads(m)))
     (v0, e0, g0), (v1, e1, g1) = outs
+    assert (len(calls) > 0) == (kernel == "matmul"), len(calls)
     assert (v0 - v1).abs().max() < 1e-5
     if head == "policy":
         assert (e0 - e1).abs().max() < 1e-5
