@@ -23,13 +23,15 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
    against the GEMM peak of the compute dtype on the same cores, measured in the same run (a
    2048^3 matmul on all cores), and the matmuls' own rate per rank (the FLOPs over the time the
    profile puts in the GEMM, attention and head buckets).
-4. Levers (``--levers``), each a full re-measurement: micro-batch sizes, packing and the shared
-   prefix off (what they already save), ``actor.reshard_after_forward=false``,
-   ``actor.reduce_dtype=bfloat16`` (gradients reduce-scattered in bf16), foreach vs fused
-   AdamW, ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
-   every repeat, so no recompilation is counted). ``sdpa``: the CPU attention kernel of the
-   shared-prefix forward (``hybrid_rl/engine/segment_attention.py``) against SDPA, updates
-   interleaved in the profiled run's processes (what that kernel saves, free of the drift between runs).
+4. Levers (``--levers``). Those the engine reads at every update are timed against the default
+   in interleaved pairs inside the profiled run's processes, free of the drift between runs
+   (``interleaved_ab``): ``sdpa`` (``actor.prefix_attention=sdpa`` against the CPU segment
+   kernel, ``hybrid_rl/engine/segment_attention.py``) and ``reshard``
+   (``actor.reshard_after_forward=false``). The others are full re-measurements in their own
+   processes: micro-batch sizes, packing and the shared prefix off (what they already save),
+   ``actor.reduce_dtype=bfloat16`` (gradients reduce-scattered in bf16), foreach vs fused AdamW,
+   ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
+   every repeat, so no recompilation is counted).
 
 Writes results/profile_update_<preset>.json and .png.
 """
@@ -125,8 +127,11 @@ def worker(args: argparse.Namespace) -> None:
     warm = [one() for _ in range(args.warmup)]
     times = [one() for _ in range(args.repeats)]
     result = {"times_s": times, "warmup_s": warm, "median_s": statistics.median(times), "dtype": dtype, "update_flops": update_flops}
-    if args.ab_attention:
-        result["attention_ab"] = attention_ab(one, args.repeats)
+    variants = {"sdpa": ("prefix_kernel", "sdpa"), "reshard": ("reshard_after_forward", False)}
+    result["ab"] = {}
+    for name in [x for x in args.ab.split(",") if x]:
+        owner = actor if name == "reshard" else actor.module
+        result["ab"][name] = interleaved_ab(one, args.repeats, owner, *variants[name])
     if args.profile:  # the pass an exactly on-policy step skips (actor.recompute_old_logprobs=auto)
         olds = []
         for _ in range(3):
@@ -154,30 +159,31 @@ def worker(args: argparse.Namespace) -> None:
     finish_rank(0)
 
 
-def attention_ab(one, repeats: int) -> dict:
-    """Updates with the CPU segment-attention kernel and with SDPA, in interleaved pairs in one
-    process, so that the machine's drift (this class of VM runs the same GEMM at 1x-3x speed over
-    minutes) falls on both sides of a pair alike; the speedup is the median of the pairs' ratios."""
-    from hybrid_rl.engine import segment_attention
-
-    cap = segment_attention.MATMUL_MAX_SCORES
-    kernel, sdpa = [], []
+def interleaved_ab(one, repeats: int, owner, attr: str, variant) -> dict:
+    """Updates with ``owner.attr`` as built (the default) and set to ``variant``, in interleaved
+    pairs in the same processes, so that the machine's drift (this class of VM runs the same GEMM
+    at 1x-3x speed over minutes) falls on both sides of a pair alike. ``ratio``: the median over
+    the pairs of the variant's time over the default's (below 1: the variant is faster). Levers
+    that the engine reads at every update: ``actor.prefix_attention`` (the module's
+    ``prefix_kernel``) and ``actor.reshard_after_forward``."""
+    default = getattr(owner, attr)
+    a, b = [], []
     for _ in range(max(repeats, 5)):
-        for cap_now, xs in ((cap, kernel), (-1, sdpa)):
-            segment_attention.MATMUL_MAX_SCORES = cap_now  # -1: every size goes to SDPA
+        for value, xs in ((default, a), (variant, b)):
+            setattr(owner, attr, value)
             xs.append(one())
-    segment_attention.MATMUL_MAX_SCORES = cap
-    ratios = [b / a for a, b in zip(kernel, sdpa)]
-    return {"segment_kernel_s": kernel, "sdpa_s": sdpa, "pair_ratios": ratios, "speedup": statistics.median(ratios)}
+    setattr(owner, attr, default)
+    ratios = [y / x for x, y in zip(a, b)]
+    return {"setting": f"{attr}={variant}", "default_s": a, "variant_s": b, "pair_ratios": ratios, "ratio": statistics.median(ratios)}
 
 
-def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False, ab_attention: bool = False) -> dict:
+def run(args: argparse.Namespace, extra: list[str], profile: bool = False, compile_layers: bool = False, ab: str = "") -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m", "benchmarks.profile_update"]
     cmd += ["--worker", "--out", str(out), "--preset", args.preset, "--ranks", str(args.ranks), "--prompts", str(args.prompts)]
     cmd += ["--group", str(args.group), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--repeats", str(args.repeats)]
     cmd += ["--warmup", str(args.warmup + (2 if compile_layers else 0))]
-    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + (["--ab-attention"] if ab_attention else [])
+    cmd += (["--profile"] if profile else []) + (["--compile"] if compile_layers else []) + (["--ab", ab] if ab else [])
     cmd += [a for kv in extra for a in ("--set", kv)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, check=False, timeout=3600)
@@ -196,8 +202,6 @@ def lever_runs(args: argparse.Namespace) -> list[dict]:
     if "micro" in levers:
         settings += [(f"micro_batch_size={m}", [f"actor.micro_batch_size={m}"], False) for m in (16, 32)]
         settings += [("packing off", ["actor.packing=false"], False), ("shared prefix off", ["actor.shared_prefix=false"], False)]
-    if "reshard" in levers:
-        settings.append(("reshard_after_forward=false", ["actor.reshard_after_forward=false"], False))
     if "reduce" in levers:
         settings.append(("reduce_dtype=bfloat16", ["actor.reduce_dtype=bfloat16"], False))
     if "adamw" in levers:
@@ -227,14 +231,15 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--ab-attention", action="store_true", help="worker: time the attention kernel against SDPA, interleaved")
+    ap.add_argument("--ab", default="", help="worker: levers timed against the default in interleaved pairs (sdpa,reshard)")
     ap.add_argument("--set", action="append", default=[], help="worker: a config override key=value")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    base = run(args, [], profile=True, ab_attention="sdpa" in args.levers.split(","))
+    levers = args.levers.split(",")
+    base = run(args, [], profile=True, ab=",".join(x for x in ("sdpa", "reshard") if x in levers))
     if "error" in base:
         raise SystemExit(f"profile_update failed:\n{base['error']}")
     report(args, base, lever_runs(args))
@@ -259,7 +264,7 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
         "matmul_tflops_in_matmul_time": base["update_flops"] / max(gemm_s, 1e-9) / 1e12 / args.ranks,
         "old_logprob_pass_s": base.get("old_logprob_pass_s"),
         "top_ops": base["top_ops"],
-        "attention_ab": base.get("attention_ab"),
+        "interleaved_ab": base.get("ab"),
         "levers": [{k: v for k, v in r.items() if k in ("lever", "median_s", "times_s", "warmup_s", "error")} for r in levers],
     }
     for r in result["levers"]:
@@ -270,9 +275,9 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
     print(f"update {base['median_s']:.3f} s ({base['dtype']}), {tflops:.4f} TFLOP/s = {tflops / peak:.0%} of the {peak:.3f} GEMM peak")
     for k in BUCKETS:
         print(f"  {k:>18}: {base['buckets_s'][k]:7.3f} s  {shares[k]:5.1%}")
-    if ab := base.get("attention_ab"):
-        print(f"  attention kernel vs SDPA (interleaved): {statistics.median(ab['segment_kernel_s']):.3f} s vs "
-              f"{statistics.median(ab['sdpa_s']):.3f} s, median pair ratio {ab['speedup']:.2f}x")
+    for ab in (base.get("ab") or {}).values():
+        print(f"  {ab['setting']} (interleaved): {statistics.median(ab['variant_s']):.3f} s vs the default's "
+              f"{statistics.median(ab['default_s']):.3f} s, median pair ratio {ab['ratio']:.2f}")
     fig, (a1, a2) = figure((11, 4), ncols=2)
     a1.barh(list(BUCKETS)[::-1], [shares[k] * 100 for k in BUCKETS][::-1], color="C0")
     a1.set_xlabel("% of the update's wall time (rank 0, profiled)")
