@@ -52,7 +52,8 @@ def recipe_cache_key(recipe_cfg: Config) -> str:
     parts = {k: OmegaConf.to_container(recipe_cfg[k], resolve=True) for k in groups}
     if parts["actor"].get("lora", {}).get("rank", 0) == 0:
         parts["actor"].pop("lora", None)  # full fine-tune: the key of models built before LoRA existed
-    parts["actor"].pop("reshard_after_forward", None)  # when FSDP2 frees gathered weights: the same model either way
+    for how in ("reshard_after_forward", "prefix_attention"):  # when FSDP2 frees gathered weights, which segment
+        parts["actor"].pop(how, None)  # attention kernel computes the same scores: the same model either way
     if not parts["data"].get("train_size"):
         parts["data"].pop("train_size", None)  # every row: the key of models built before the limit existed
     parts["agent"] = OmegaConf.to_container(recipe_cfg.rollout.agent, resolve=True)

@@ -152,8 +152,9 @@ def test_full_fine_tune_key_of_builtin_models_ignores_the_lora_section():
 
 
 def test_settings_that_do_not_change_the_model_keep_the_warm_start_key():
-    """actor.reshard_after_forward (when FSDP2 frees gathered weights) builds the same model, so it
-    keeps the cached warm start. The default recipe's key is pinned: a new field in model, data or
+    """actor.reshard_after_forward (when FSDP2 frees gathered weights) and actor.prefix_attention
+    (which kernel computes the shared-prefix segment attention) build the same model, so they
+    keep the cached warm start. The default recipe's key is pinned: a new field in model, data or
     actor changes it and rebuilds every user's warm start (minutes), so a change here must be
     meant (then update the pin)."""
     from hybrid_rl.config.compose import compose_recipe
@@ -162,6 +163,8 @@ def test_settings_that_do_not_change_the_model_keep_the_warm_start_key():
     cfg = compose_recipe("sft_math_short", "tiny")
     assert recipe_cache_key(cfg) == "d0e6069d2b"
     cfg.actor.reshard_after_forward = False
+    assert recipe_cache_key(cfg) == "d0e6069d2b"
+    cfg.actor.prefix_attention = "sdpa"
     assert recipe_cache_key(cfg) == "d0e6069d2b"
 
 
