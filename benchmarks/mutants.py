@@ -96,7 +96,7 @@ FSDP = "hybrid_rl/engine/fsdp.py"
 T_ADV = "tests/unit/test_advantages.py"
 T_LOSS = "tests/unit/test_losses.py"
 T_CORR = "tests/unit/test_correctness.py"
-T_R3 = "tests/unit/test_round3_correctness.py"
+T_TKF = "tests/unit/test_truncation_kl_and_filters.py"
 T_ENG = "tests/integration/test_engines.py"
 T_DATA = "tests/unit/test_data.py"
 T_CKPT = "tests/unit/test_checkpoint.py"
@@ -190,7 +190,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("kl_loss_on_truncated_logprobs", "losses", LOSSES,
            "policy = out.kl_logprobs if out.kl_logprobs is not None else out.logprobs",
            "policy = out.logprobs",
-           (f"{T_R3}::test_kl_loss_uses_the_untruncated_logprobs",),
+           (f"{T_TKF}::test_kl_loss_uses_the_untruncated_logprobs",),
            "the KL loss compares the top-k/top-p truncated policy with the full-softmax reference (KL > 0 at equal weights)"),
     # ------------------------------------------------------------------ KL estimators and controller
     Mutant("k1_sign", "kl", KL,
@@ -222,13 +222,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("dapo_filters_on_shaped_score", "filters", "hybrid_rl/trainer/collect.py",
            'values = [s.acc if a.filter_groups.metric == "acc" else s.score for s in everyone]',
            "values = [s.score for s in everyone]",
-           (f"{T_R3}::test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length[acc-4]",),
+           (f"{T_TKF}::test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length[acc-4]",),
            "DAPO filters on the length-shaped score, so an all-correct group trains on length alone"),
     # ------------------------------------------------------------------ engine
     Mutant("outside_logprob_minus_inf", "engine", HEADS,
            "OUTSIDE_LOGPROB = -1.0e4",
            'OUTSIDE_LOGPROB = float("-inf")',
-           (f"{T_R3}::test_a_target_outside_top_k_gets_a_finite_logprob_not_minus_inf",),
+           (f"{T_TKF}::test_a_target_outside_top_k_gets_a_finite_logprob_not_minus_inf",),
            "the log-prob floor for targets outside top-k/top-p is -inf: masked padding gives NaN (-inf x 0)"),
     Mutant("head_temperature_dropped", "engine", HEADS,
            "logits = logits / temperature",
