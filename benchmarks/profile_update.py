@@ -278,17 +278,35 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
     for ab in (base.get("ab") or {}).values():
         print(f"  {ab['setting']} (interleaved): {statistics.median(ab['variant_s']):.3f} s vs the default's "
               f"{statistics.median(ab['default_s']):.3f} s, median pair ratio {ab['ratio']:.2f}")
-    fig, (a1, a2) = figure((11, 4), ncols=2)
+    print(f"wrote {path} and {plot(name, f'{args.preset}, {args.prompts}x{args.group}x{args.new_tokens}', result)}")
+
+
+def plot(name: str, what: str, result: dict) -> Path:
+    """The profile's buckets, the levers re-measured in their own runs, and, when timed, each
+    interleaved lever's pair ratios (variant / default; under 1 the variant is faster)."""
+    ab = result.get("interleaved_ab") or {}
+    fig, axes = figure((16 if ab else 11, 4), ncols=3 if ab else 2)
+    a1, a2 = axes[0], axes[1]
+    shares = result["shares"]
     a1.barh(list(BUCKETS)[::-1], [shares[k] * 100 for k in BUCKETS][::-1], color="C0")
     a1.set_xlabel("% of the update's wall time (rank 0, profiled)")
-    a1.set_title(f"One GRPO update, {args.preset}, {args.prompts}x{args.group}x{args.new_tokens}, {base['dtype']}: MFU {tflops / peak:.0%}", fontsize=9)
-    names = ["default"] + [r["lever"] for r in result["levers"] if "median_s" in r]
-    secs = [base["median_s"]] + [r["median_s"] for r in result["levers"] if "median_s" in r]
+    a1.set_title(f"One GRPO update, {what}, {result['dtype']}: MFU {result['mfu']:.0%}", fontsize=9)
+    done = [r for r in result["levers"] if "median_s" in r]
+    names, secs = ["default"] + [r["lever"] for r in done], [result["median_update_s"]] + [r["median_s"] for r in done]
     a2.barh(names[::-1], secs[::-1], color=["C1"] * (len(names) - 1) + ["C0"])
     a2.set_xlabel("update seconds (median)")
-    a2.set_title("Levers, each re-measured", fontsize=9)
-    print(f"wrote {path} and {save_figure(fig, name, grid_axis='x')}")
-
+    a2.set_title("Levers, each re-measured in its own run", fontsize=9)
+    if ab:
+        a3 = axes[2]
+        for i, v in enumerate(ab.values()):
+            a3.scatter(v["pair_ratios"], [i] * len(v["pair_ratios"]), color="C1", alpha=0.7)
+            a3.scatter([v["ratio"]], [i], color="C0", marker="|", s=400)
+        a3.axvline(1.0, color="grey", lw=1)
+        a3.set_yticks(range(len(ab)), [v["setting"] for v in ab.values()])
+        a3.set_ylim(-0.5, len(ab) - 0.5)
+        a3.set_xlabel("variant / default time per pair (bar: median)")
+        a3.set_title("Levers timed in interleaved pairs in one process", fontsize=9)
+    return save_figure(fig, name, grid_axis="x")
 
 if __name__ == "__main__":
     main()
