@@ -7,6 +7,8 @@ with no tool call at all. Here a short SFT on the tool-use trajectories (``sft_m
 GRPO steps of ``agentic_math_tool`` run from it.
 """
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -18,6 +20,19 @@ import pytest
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 LENGTH_REWARD = ROOT / "tests" / "e2e" / "length_reward.py"
+
+
+def python_prints(expr: str) -> str:
+    """What ``print(expr)`` writes in Python or, where it raises, the error's name: the sandbox tool
+    returns a failed run's last traceback line, which begins with it. A sampled call can be
+    malformed (``print(* * 965)``), and then the tool's output must say so."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(f"print({expr})", {"__builtins__": {"print": print}})  # digits, spaces, brackets and + - * only
+    except Exception as e:  # SyntaxError or TypeError: what a malformed call raises
+        return type(e).__name__
+    return out.getvalue().strip()
 
 
 def main(out: Path, recipe: str, *overrides: str) -> None:
@@ -61,8 +76,9 @@ def test_agentic_rollout_runs_the_models_code_and_masks_the_tool_output(tmp_path
         arithmetic = re.fullmatch(
             r'\s*\{"name": "python", "arguments": \{"code": "print\(([0-9 ()+*-]+)\)"\}\}', call.split("<tool_call>", 1)[1]
         )
-        if arithmetic and not re.search(r"\b0[0-9]", arithmetic.group(1)):  # what Python computes from it, the sandbox printed
-            value = str(eval(arithmetic.group(1), {"__builtins__": {}}))  # digits, spaces, brackets and + - * only
+        # what Python prints for it (or the error it raises), the sandbox printed; no powers (** can run for minutes)
+        if arithmetic and "**" not in arithmetic.group(1) and not re.search(r"\b0[0-9]", arithmetic.group(1)):
+            value = python_prints(arithmetic.group(1))
             assert value in s["untrained"] and value in rest, (arithmetic.group(1), value, s)
             ran += 1
     assert ran >= len(samples) // 4, f"{ran} of {len(samples)} samples ran a print() call"
