@@ -1,7 +1,7 @@
 """Benchmark: where one GRPO update's time goes, and what the levers on it buy.
 
     python -m benchmarks.profile_update [--preset base] [--ranks 2] [--prompts 8] [--group 8]
-                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,reduce,adamw,compile,sdpa]
+                                        [--new-tokens 64] [--dtype auto] [--levers micro,reshard,reduce,adamw,compile,sdpa,rs]
 
 Under real torchrun ranks (gloo, one thread each, as the trainer runs them) each rank builds the
 actor of ``+recipe=grpo_math`` on the ``--preset`` model (the default recipe's settings: packing,
@@ -18,7 +18,8 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
    all-gather / reduce-scatter and their waits, gloo), the log-prob head (``hybrid_rl/logprob_head``:
    the LM head's matmul, log-softmax and entropy, forward and its recompute in backward), attention (SDPA and its backward), GEMMs (mm / addmm / bmm, forward
    and backward), dtype casts and copies, other tensor ops; what is left of the wall time is
-   Python and framework overhead. Shares of the update's wall time.
+   Python and framework overhead. Shares of the update's wall time. ``aten::copy_``, the largest
+   op after the GEMMs, is split by caller (:func:`copies_by_caller`).
 3. MFU: the update's model FLOPs (``hybrid_rl/engine/flops.py``, the trainer's count) per second
    against the GEMM peak of the compute dtype on the same cores, measured in the same run (a
    2048^3 matmul on all cores), and the matmuls' own rate per rank (the FLOPs over the time the
@@ -26,8 +27,10 @@ prompts of 30-50 tokens, ``--group`` answers each of 16..``--new-tokens`` tokens
 4. Levers (``--levers``). Those the engine reads at every update are timed against the default
    in interleaved pairs inside the profiled run's processes, free of the drift between runs
    (``interleaved_ab``): ``sdpa`` (``actor.prefix_attention=sdpa`` against the CPU segment
-   kernel, ``hybrid_rl/engine/segment_attention.py``) and ``reshard``
-   (``actor.reshard_after_forward=false``). The others are full re-measurements in their own
+   kernel, ``hybrid_rl/engine/segment_attention.py``), ``reshard``
+   (``actor.reshard_after_forward=false``) and ``rs`` (gradients reduce-scattered by an in-place
+   all-reduce of FSDP2's scratch buffer, :class:`AllReduceInPlace`, instead of gloo's
+   clone-then-all-reduce; a measured lever, not a trainer setting). The others are full re-measurements in their own
    processes: micro-batch sizes, packing and the shared prefix off (what they already save),
    ``actor.reduce_dtype=bfloat16`` (gradients reduce-scattered in bf16), foreach vs fused AdamW,
    ``torch.compile`` of each decoder layer (inductor, the CPU's own kernels; the same batch
@@ -127,10 +130,11 @@ def worker(args: argparse.Namespace) -> None:
     warm = [one() for _ in range(args.warmup)]
     times = [one() for _ in range(args.repeats)]
     result = {"times_s": times, "warmup_s": warm, "median_s": statistics.median(times), "dtype": dtype, "update_flops": update_flops}
-    variants = {"sdpa": ("prefix_kernel", "sdpa"), "reshard": ("reshard_after_forward", False)}
+    variants = {"sdpa": ("prefix_kernel", "sdpa"), "reshard": ("reshard_after_forward", False), "rs": ("inplace", True)}
+    owners = {"sdpa": actor.module, "reshard": actor, "rs": ReduceScatterLever(actor.module)}
     result["ab"] = {}
     for name in [x for x in args.ab.split(",") if x]:
-        owner = actor if name == "reshard" else actor.module
+        owner = owners[name]
         result["ab"][name] = interleaved_ab(one, args.repeats, owner, *variants[name])
     if args.profile:  # the pass an exactly on-policy step skips (actor.recompute_old_logprobs=auto)
         olds = []
@@ -151,12 +155,91 @@ def worker(args: argparse.Namespace) -> None:
             {"name": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count}
             for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         ]
+        result["copies_by_caller"] = copies_by_caller(prof)
     if ctx.rank == 0:
         result["threads_per_rank"] = torch.get_num_threads()
         result["gemm_peak_tflops_all_cores"] = gemm_peak(dtype, 2048, 2048, 2048) / 1e12 if args.profile else None
         Path(args.out).write_text(json.dumps(result))
     barrier()
     finish_rank(0)
+
+
+def copies_by_caller(prof, top: int = 10) -> list[dict]:
+    """``aten::copy_``'s self time on the busiest thread, by who called it: the nearest enclosing
+    op (``aten::_to_copy`` is a dtype cast, ``aten::split_with_sizes_copy`` FSDP2's all-gather
+    copy-out, ...) and the nearest labelled range (``FSDP::all_gather_copy_in``,
+    ``FSDP::post_backward_reduce``, ``hybrid_rl/...``). The profiler's own grouping by stack needs
+    ``with_stack``, which slows the profiled update; the parents are already recorded."""
+    events = prof.profiler.function_events
+    busy: dict[int, float] = {}
+    for e in events:
+        busy[e.thread] = busy.get(e.thread, 0.0) + e.self_cpu_time_total
+    main = max(busy, key=busy.get) if busy else None
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if e.thread != main or e.name != "aten::copy_":
+            continue
+        op = rng = None
+        p = e.cpu_parent
+        while p is not None and (op is None or rng is None):
+            if op is None and p.name.startswith("aten::") and p.name != "aten::copy_":
+                op = p.name
+            if rng is None and (p.name.startswith("FSDP::") or p.name.startswith("hybrid_rl/")):
+                rng = p.name.split(" (")[0]  # FSDP's ranges carry the module's name
+            p = p.cpu_parent
+        t = out.setdefault(f"{op or '(direct)'} in {rng or '(no range)'}", [0.0, 0])
+        t[0] += e.self_cpu_time_total / 1e6
+        t[1] += 1
+    rows = sorted(out.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"caller": k, "self_s": v[0], "calls": v[1]} for k, v in rows]
+
+
+class AllReduceInPlace:
+    """An FSDP2 reduce-scatter (``fully_shard``'s ``set_custom_reduce_scatter``) for gloo. gloo's
+    ``reduce_scatter_tensor`` clones its whole input, all-reduces the clone and copies this rank's
+    chunk out (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``); FSDP2's input is a scratch
+    buffer that it frees right after, so all-reducing that buffer in place skips the clone (one
+    copy of every layer's full gradient per update). Same result: ``out = chunk_rank(sum_r g_r)``,
+    divided by the world size for ``AVG``."""
+
+    def allocate(self, size, *, dtype, device):
+        import torch
+
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        import torch.distributed as dist
+
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # e.g. PREMUL_SUM: gloo's own path
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
+        output_tensor.copy_(input_tensor.chunk(group.size())[group.rank()])
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(group.size())
+        return None
+
+
+class ReduceScatterLever:
+    """``inplace``: every FSDP2 module under ``root`` reduce-scatters with :class:`AllReduceInPlace`
+    (True) or FSDP2's default (False), switchable between updates for :func:`interleaved_ab`."""
+
+    def __init__(self, root) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        self._inplace = False
+
+    @property
+    def inplace(self) -> bool:
+        return self._inplace
+
+    @inplace.setter
+    def inplace(self, on: bool) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        self._inplace = on
+        for m in self.modules:
+            m.set_custom_reduce_scatter(AllReduceInPlace() if on else DefaultReduceScatter())
 
 
 def interleaved_ab(one, repeats: int, owner, attr: str, variant) -> dict:
@@ -226,12 +309,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="compute dtype: auto (the trainer's choice here) | float32 | bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--levers", default="micro,reshard,reduce,adamw,compile,sdpa")
+    ap.add_argument("--levers", default="micro,reshard,reduce,adamw,compile,sdpa,rs")
     ap.add_argument("--name", default="", help="results/<name>.json (default profile_update_<preset>)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--ab", default="", help="worker: levers timed against the default in interleaved pairs (sdpa,reshard)")
+    ap.add_argument("--ab", default="", help="worker: levers timed against the default in interleaved pairs (sdpa,reshard,rs)")
     ap.add_argument("--set", action="append", default=[], help="worker: a config override key=value")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -239,7 +322,7 @@ def main() -> None:
         worker(args)
         return
     levers = args.levers.split(",")
-    base = run(args, [], profile=True, ab=",".join(x for x in ("sdpa", "reshard") if x in levers))
+    base = run(args, [], profile=True, ab=",".join(x for x in ("sdpa", "reshard", "rs") if x in levers))
     if "error" in base:
         raise SystemExit(f"profile_update failed:\n{base['error']}")
     report(args, base, lever_runs(args))
@@ -264,6 +347,7 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
         "matmul_tflops_in_matmul_time": base["update_flops"] / max(gemm_s, 1e-9) / 1e12 / args.ranks,
         "old_logprob_pass_s": base.get("old_logprob_pass_s"),
         "top_ops": base["top_ops"],
+        "copies_by_caller": base.get("copies_by_caller"),
         "interleaved_ab": base.get("ab"),
         "levers": [{k: v for k, v in r.items() if k in ("lever", "median_s", "times_s", "warmup_s", "error")} for r in levers],
     }
@@ -275,6 +359,8 @@ def report(args: argparse.Namespace, base: dict, levers: list[dict]) -> None:
     print(f"update {base['median_s']:.3f} s ({base['dtype']}), {tflops:.4f} TFLOP/s = {tflops / peak:.0%} of the {peak:.3f} GEMM peak")
     for k in BUCKETS:
         print(f"  {k:>18}: {base['buckets_s'][k]:7.3f} s  {shares[k]:5.1%}")
+    for c in result["copies_by_caller"] or []:
+        print(f"  copy_ {c['self_s']:6.3f} s over {c['calls']:5d} calls: {c['caller']}")
     for ab in (base.get("ab") or {}).values():
         print(f"  {ab['setting']} (interleaved): {statistics.median(ab['variant_s']):.3f} s vs the default's "
               f"{statistics.median(ab['default_s']):.3f} s, median pair ratio {ab['ratio']:.2f}")

@@ -49,7 +49,7 @@ CASES = {
     "checkpoint_cost": ["--presets", "micro", "--repeats", "1"],
     "memory_scaling": ["--preset", "micro", "--worlds", "1,2", "--steps", "1"],
     "profile_update": ["--preset", "micro", "--prompts", "2", "--group", "2", "--new-tokens", "20", "--repeats", "1",
-                       "--levers", "reshard,reduce", "--name", "profile_update"],
+                       "--levers", "reshard,rs,reduce", "--name", "profile_update"],
 }
 SLOW = {
     "real_size_grpo": ["--preset", "micro", "--steps", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--name", "real_size_grpo"],
@@ -124,6 +124,7 @@ FIGURES: dict[str, Callable[[dict], list[Figure]]] = {
         *one(d, "result.median_update_s", "result.update_tflops_per_s", "result.gemm_peak_tflops", "result.mfu", "result.buckets_s.gemm"),
         *each(d, "result.levers", "median_s", "speedup"),
         *each(d, "result.interleaved_ab", "ratio"),
+        *each(d, "result.copies_by_caller", "self_s"),
     ],
     "preload": lambda d: each(d, "summary", "median_step_s", "median_update_s", "step_speedup_vs_none"),
     "vs_trl": lambda d: [*each(d, "median_step_s"), *each(d, "trl_over_hybrid")],
