@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import figure, machine_info, save_figure, write_json
-from hybrid_rl.trainer.profiling import BUCKETS, profile_buckets
+from hybrid_rl.trainer.profiling import BUCKETS, busiest_thread, profile_buckets
 
 HERE = Path(__file__).resolve().parent
 
@@ -171,10 +171,7 @@ def copies_by_caller(prof, top: int = 10) -> list[dict]:
     ``FSDP::post_backward_reduce``, ``hybrid_rl/...``). The profiler's own grouping by stack needs
     ``with_stack``, which slows the profiled update; the parents are already recorded."""
     events = prof.profiler.function_events
-    busy: dict[int, float] = {}
-    for e in events:
-        busy[e.thread] = busy.get(e.thread, 0.0) + e.self_cpu_time_total
-    main = max(busy, key=busy.get) if busy else None
+    main = busiest_thread(events)
     out: dict[str, list[float]] = {}
     for e in events:
         if e.thread != main or e.name != "aten::copy_":

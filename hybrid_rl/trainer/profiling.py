@@ -42,6 +42,15 @@ def bucket_of(name: str, ancestors: list[str]) -> str:
     return "casts" if name in _CAST else "other ops"
 
 
+def busiest_thread(events) -> int | None:
+    """The thread with the most op self time: the rank's compute thread (gloo and the profiler
+    run their own)."""
+    busy: dict[int, float] = {}
+    for e in events:
+        busy[e.thread] = busy.get(e.thread, 0.0) + e.self_cpu_time_total
+    return max(busy, key=busy.get) if busy else None
+
+
 def profile_buckets(prof: torch.profiler.profile, wall_s: float, device_time: bool = False) -> dict[str, float]:
     """Seconds per bucket of :data:`BUCKETS`: each op's self time on the busiest thread (its
     kernels' time on the accelerator with ``device_time``, as on CUDA, where host time is mostly
@@ -50,10 +59,7 @@ def profile_buckets(prof: torch.profiler.profile, wall_s: float, device_time: bo
     CUDA: the accelerator idle)."""
     out = dict.fromkeys(BUCKETS, 0.0)
     events = prof.profiler.function_events
-    busy: dict[int, float] = {}
-    for e in events:
-        busy[e.thread] = busy.get(e.thread, 0.0) + e.self_cpu_time_total
-    main = max(busy, key=busy.get) if busy else None
+    main = busiest_thread(events)
     for e in events:
         if e.thread != main or e.self_cpu_time_total <= 0:
             continue
