@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
-import socket
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
@@ -39,10 +41,25 @@ HERE = Path(__file__).resolve().parent
 RC = rollout_config()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def arm_watchdog(args) -> None:
+    """A process of this benchmark that hangs (a peer that died, a port another process took)
+    prints every thread's stack to stderr and exits, so the parent reports where it stuck instead
+    of waiting for its own timeout with nothing to show."""
+    faulthandler.dump_traceback_later(max(30, args.timeout - 30), exit=True)
+
+
+def exit_if_child_dies(child: subprocess.Popen, done: threading.Event) -> None:
+    """The split trainer waits on its rollout process (accept, recv, broadcast); if that process
+    dies first, nothing would ever wake it, so a thread ends the trainer with the child's code."""
+
+    def watch():
+        code = child.wait()
+        if not done.is_set():
+            print(f"split: the rollout process exited with code {code} before the trainer finished", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def make_prompts(tok, n: int, step: int) -> list[tuple[list[int], str]]:
@@ -126,6 +143,7 @@ def completions_of(results) -> list[list[tuple[list[int], list[float]]]]:
 
 # ----------------------------------------------------------------------------- hybrid layout
 def hybrid(args) -> None:
+    arm_watchdog(args)
     from hybrid_rl.env import setup_process_env
 
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
@@ -169,6 +187,7 @@ def hybrid(args) -> None:
 # ----------------------------------------------------------------------------- split layout
 def split_rollout(args) -> None:
     """The rollout pool: a vLLM engine that generates on request and loads broadcast weights."""
+    arm_watchdog(args)
     from hybrid_rl.env import setup_process_env
 
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
@@ -208,6 +227,7 @@ def split_rollout(args) -> None:
 
 
 def split_trainer(args) -> None:
+    arm_watchdog(args)
     from hybrid_rl.env import setup_process_env
 
     setup_process_env(threads_per_rank=max(1, (os.cpu_count() or 2) // 2))
@@ -218,8 +238,12 @@ def split_trainer(args) -> None:
     from hybrid_rl.engine.fsdp import to_dtype
     from hybrid_rl.models.tiny import tiny_model_path
 
-    ctl_port, pg_port = free_port(), free_port()
-    listener = Listener(("127.0.0.1", ctl_port), authkey=b"split")
+    # Both listening ports are bound here, before the child starts, so no other process (the
+    # rollout's own vLLM engine picks free ports too) can take one between choosing and binding.
+    listener = Listener(("127.0.0.1", 0), authkey=b"split")
+    ctl_port = listener.address[1]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
+    pg_port = store.port
     cmd = [
         sys.executable,
         "-m",
@@ -231,10 +255,11 @@ def split_trainer(args) -> None:
         "--pg-port",
         str(pg_port),
     ]
-    cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("preset", "dtype", "group", "max-tokens")]
+    cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("preset", "dtype", "group", "max-tokens", "timeout")]
     child = subprocess.Popen(cmd, cwd=HERE.parent)
+    done = threading.Event()
+    exit_if_child_dies(child, done)
     conn = listener.accept()
-    store = dist.TCPStore("127.0.0.1", pg_port, 2, is_master=True, timeout=datetime.timedelta(seconds=300))
     pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=300))
     ctx = init_distributed("cpu")  # the trainer's own world of 1
     path = str(tiny_model_path(args.preset))
@@ -260,11 +285,26 @@ def split_trainer(args) -> None:
         switch.to_rollout()
         t3 = time.perf_counter()
         steps.append({"generate": t1 - t0, "update": t2 - t1, "sync": t3 - t2, "total": t3 - t0, **m})
+    done.set()
     conn.send(("stop",))
     child.wait(timeout=60)
     Path(args.out).write_text(json.dumps(steps))
     sys.stdout.flush()
     os._exit(0)
+
+
+def run_layout(cmd: list[str], timeout: int) -> tuple[int, str]:
+    """Run one layout in its own session; past ``timeout`` its whole process group (torchrun's
+    ranks, the split trainer's rollout child) is killed and the stderr it wrote so far returned,
+    so neither a hang nor an orphan outlives the benchmark."""
+    p = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=timeout)
+        return p.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        _, err = p.communicate()
+        return -signal.SIGKILL, f"killed after {timeout} s\n{err}"
 
 
 def main() -> None:
@@ -275,6 +315,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds each layout may run before it is killed")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -284,7 +325,8 @@ def main() -> None:
         {"hybrid": hybrid, "split-trainer": split_trainer, "split-rollout": split_rollout}[args.role](args)
         return
     common = [
-        f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("preset", "dtype", "prompts", "group", "max-tokens", "steps")
+        f"--{k}={getattr(args, k.replace('-', '_'))}"
+        for k in ("preset", "dtype", "prompts", "group", "max-tokens", "steps", "timeout")
     ]
     runs = {}
     for layout in ("hybrid", "split"):
@@ -303,11 +345,9 @@ def main() -> None:
             ]
         else:
             cmd = [sys.executable, "-m", "benchmarks.split_pool", "--role", "split-trainer"]
-        p = subprocess.run(
-            [*cmd, *common, "--out", str(out)], cwd=HERE.parent, capture_output=True, text=True, check=False, timeout=1800
-        )
-        if p.returncode != 0 or out.stat().st_size == 0:
-            raise SystemExit(f"{layout} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+        code, err = run_layout([*cmd, *common, "--out", str(out)], args.timeout)
+        if code != 0 or out.stat().st_size == 0:
+            raise SystemExit(f"{layout} failed ({code}):\n{err[-4000:]}")
         runs[layout] = json.loads(out.read_text())[1:]  # step 0 is warm-up
     med = {
         lay: {k: statistics.median(s[k] for s in steps) for k in ("generate", "update", "sync", "total")}

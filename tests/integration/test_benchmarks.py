@@ -44,7 +44,7 @@ CASES = {
     "switch_overhead": ["--presets", "micro", "--repeats", "1"],
     "shared_prefix": ["--preset", "micro", "--groups", "2", "--n", "4", "--micro", "8", "--response", "16", "--ratios", "0.5,1",
                       "--repeats", "1"],
-    "split_pool": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "1"],
+    "split_pool": ["--preset", "micro", "--prompts", "2", "--group", "2", "--max-tokens", "4", "--steps", "1", "--timeout", "300"],
     "sandbox_latency": ["--runs", "4", "--concurrency", "1,2"],
     "checkpoint_cost": ["--presets", "micro", "--repeats", "1"],
     "memory_scaling": ["--preset", "micro", "--worlds", "1,2", "--steps", "1"],
