@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,8 +23,12 @@ RESULTS = Path(os.environ.get("HYBRID_RL_BENCH_RESULTS") or Path(__file__).resol
 def _commit() -> str | None:
     """The repository's HEAD (with ``+dirty`` when the tree has changes), or None outside git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=False).stdout
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout
         return head + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -76,7 +82,9 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> dict:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": xs}
 
 
-def run_trainer(overrides: list[str], prefix: str, timeout: float | None = None) -> tuple[subprocess.CompletedProcess, list[dict], float]:
+def run_trainer(
+    overrides: list[str], prefix: str, timeout: float | None = None
+) -> tuple[subprocess.CompletedProcess, list[dict], float]:
     """``python -m hybrid_rl.main <overrides>`` with its output in a fresh temporary folder:
     the finished process, the rows of its metrics.jsonl (empty if none was written) and the wall
     seconds."""
@@ -88,6 +96,30 @@ def run_trainer(overrides: list[str], prefix: str, timeout: float | None = None)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     return p, rows, wall
+
+
+def run_in_session(cmd: list[str], timeout: float, **popen) -> tuple[int | None, str, str]:
+    """``(exit status or None past timeout, stdout, stderr)`` of ``cmd``, run in a session of its
+    own, so that a timeout (or Ctrl-C here, which its session does not get from the terminal)
+    kills its whole process group: torchrun's ranks, a benchmark's child processes, pytest's."""
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+        code = None
+    except BaseException:
+        _kill_group(proc.pid)
+        raise
+    return code, out or "", err or ""
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def load_result(name: str) -> dict | None:

@@ -53,11 +53,9 @@ tiny training runs); each unit-test mutant costs a pytest start-up and seconds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -65,7 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import RESULTS, figure, machine_info, save_figure, write_json
+from benchmarks.common import RESULTS, figure, machine_info, run_in_session, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -500,24 +498,8 @@ def run_pytest(tests: list[str], copy: Path, timeout: float, stop_first: bool = 
     runs in a session of its own, so that a timeout (or Ctrl-C here) kills its whole process group."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *(["-x"] if stop_first else []), *tests]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=copy, env=child_env(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        out, _ = proc.communicate()
-        code = None
-    except BaseException:  # Ctrl-C: its own session does not get the terminal's SIGINT
-        _kill_group(proc.pid)
-        raise
-    return code, out or "", time.perf_counter() - start
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+    code, out, _ = run_in_session(cmd, timeout, cwd=copy, env=child_env(copy), stderr=subprocess.STDOUT)
+    return code, out, time.perf_counter() - start
 
 
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)

@@ -25,7 +25,6 @@ import datetime
 import faulthandler
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,16 @@ import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
-from benchmarks.common import actor_config, figure, machine_info, model_config, rollout_config, save_figure, write_json
+from benchmarks.common import (
+    actor_config,
+    figure,
+    machine_info,
+    model_config,
+    rollout_config,
+    run_in_session,
+    save_figure,
+    write_json,
+)
 
 HERE = Path(__file__).resolve().parent
 RC = rollout_config()
@@ -293,20 +301,6 @@ def split_trainer(args) -> None:
     os._exit(0)
 
 
-def run_layout(cmd: list[str], timeout: int) -> tuple[int, str]:
-    """Run one layout in its own session; past ``timeout`` its whole process group (torchrun's
-    ranks, the split trainer's rollout child) is killed and the stderr it wrote so far returned,
-    so neither a hang nor an orphan outlives the benchmark."""
-    p = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = p.communicate(timeout=timeout)
-        return p.returncode, err
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        _, err = p.communicate()
-        return -signal.SIGKILL, f"killed after {timeout} s\n{err}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
@@ -345,9 +339,11 @@ def main() -> None:
             ]
         else:
             cmd = [sys.executable, "-m", "benchmarks.split_pool", "--role", "split-trainer"]
-        code, err = run_layout([*cmd, *common, "--out", str(out)], args.timeout)
+        # its own session: past --timeout the whole layout (torchrun's ranks, the rollout child) is killed
+        code, _, err = run_in_session([*cmd, *common, "--out", str(out)], args.timeout, cwd=HERE.parent)
         if code != 0 or out.stat().st_size == 0:
-            raise SystemExit(f"{layout} failed ({code}):\n{err[-4000:]}")
+            why = f"killed after {args.timeout} s" if code is None else f"exit code {code}"
+            raise SystemExit(f"{layout} failed ({why}):\n{err[-4000:]}")
         runs[layout] = json.loads(out.read_text())[1:]  # step 0 is warm-up
     med = {
         lay: {k: statistics.median(s[k] for s in steps) for k in ("generate", "update", "sync", "total")}
