@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,22 @@ def whole_groups(group_ids: list[int], cap: int, world_size: int) -> int:
             best = take
         i = j
     return best
+
+
+def refill_prompts(missing: int, drawn: int, informative: int, batch: int, ranks: int, margin: float) -> int:
+    """Prompts for DAPO's next generation round when only the ``missing`` groups are drawn for.
+
+    DAPO and verl draw a whole batch each round and drop the informative groups past the batch
+    (about 12 of 32 per step in the default job). This draws
+    ``ceil(missing / (informative / drawn) * margin)`` prompts, ``informative`` of the ``drawn``
+    so far having varied, rounded up to a multiple of ``ranks`` and at most ``batch``; a whole
+    batch while nothing has varied yet. Each round's draw is a function of the rewards, so a
+    resumed run draws the same prompts.
+    """
+    if informative <= 0:
+        return batch
+    want = math.ceil(missing * drawn / informative * margin)
+    return min(batch, max(ranks, math.ceil(want / ranks) * ranks))
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:

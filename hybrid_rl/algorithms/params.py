@@ -52,6 +52,15 @@ class FilterMetric(StrEnum):
     score = "score"
 
 
+class FilterRefill(StrEnum):
+    """How many prompts DAPO's dynamic sampling draws in each round after the first: ``full`` (a
+    whole data.train_batch_size, as DAPO and verl) or ``missing`` (:func:`~hybrid_rl.algorithms.
+    filters.refill_prompts`: the groups still missing over the share of informative groups so far)."""
+
+    full = "full"
+    missing = "missing"
+
+
 # ---------------------------------------------------------------- sections of `algorithm`
 @dataclass
 class KLLossSettings:
@@ -88,6 +97,12 @@ class FilterGroupsSettings:
     # What a group must vary in to be kept: acc (the verifier's 0/1 score, as DAPO and verl's
     # filter_groups.metric=acc) | score (the shaped training reward: overlong penalty, learned reward).
     metric: FilterMetric = FilterMetric.acc
+    # Prompts drawn in each round after the first: full (a whole data.train_batch_size, as DAPO and
+    # verl; informative groups past the batch are generated and dropped) | missing (the groups still
+    # missing / the informative share so far x refill_margin, at most a whole batch: less generation
+    # thrown away, the odd extra round when a refill falls short).
+    refill: FilterRefill = FilterRefill.full
+    refill_margin: float = 1.25
 
 
 @dataclass

@@ -174,6 +174,8 @@ def _rl_algorithm(cfg: Config) -> list[str]:
          f"algorithm.overlong.buffer={a.overlong.buffer} must be in [0, rollout.max_response_length)"),
         (a.filter_groups.enable and a.filter_groups.metric == "acc" and not cfg.reward.functions,
          "algorithm.filter_groups.metric=acc needs reward.functions (the rule-based score it filters on); use metric=score"),
+        (a.filter_groups.refill_margin < 1.0,
+         f"algorithm.filter_groups.refill_margin={a.filter_groups.refill_margin} must be >= 1 (below 1 a refill expects to fall short)"),
         # Without an importance ratio every update after the first is off-policy and uncorrected.
         (a.policy_loss == "reinforce" and several_updates,
          f"algorithm.policy_loss=reinforce has no importance ratio: it needs actor.epochs=1 (got {act.epochs}) and one "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 # The algorithm's closed sets live with the functions that read them (below the config layer).
-from hybrid_rl.algorithms.params import FilterMetric, GFPOMetric, KLControl, KLEstimator, TISMode
+from hybrid_rl.algorithms.params import FilterMetric, FilterRefill, GFPOMetric, KLControl, KLEstimator, TISMode
 
 
 class Task(StrEnum):
@@ -110,6 +110,7 @@ __all__ = [
     "DType",
     "Device",
     "FilterMetric",
+    "FilterRefill",
     "GFPOMetric",
     "GradAccumulation",
     "KLControl",

@@ -273,13 +273,15 @@ class PromptSampler:
             random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
         return order
 
-    def next_batch(self) -> list[int]:
-        """The next ``batch_size`` indices (the tail of an epoch that does not fill a batch is dropped)."""
-        if self.pos + self.batch_size > self.n:
+    def next_batch(self, count: int | None = None) -> list[int]:
+        """The next ``count`` indices (``batch_size`` by default; the tail of an epoch that does
+        not fill them is dropped). The position counts prompts, so batches may differ in size."""
+        count = self.batch_size if count is None else min(count, self.n)
+        if self.pos + count > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
             self._order = self._make_order()
-        batch = self._order[self.pos : self.pos + self.batch_size]
-        self.pos += self.batch_size
+        batch = self._order[self.pos : self.pos + count]
+        self.pos += count
         return batch
 
     def state_dict(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty, whole_groups
+from hybrid_rl.algorithms.filters import informative_groups, overlong_penalty, refill_prompts, whole_groups
 from hybrid_rl.algorithms.registry import ADV_ESTIMATORS
 from hybrid_rl.batch import Rollout, collate
 from hybrid_rl.data.dataset import PromptSampler
@@ -42,16 +42,19 @@ if TYPE_CHECKING:  # annotations only
 REWARD_METRICS = ("reward/", "critic/score/")
 
 
-def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """Reward metrics over every DAPO generation round (equal-sized rounds): counts summed, maxima
-    and minima over the rounds, the rest averaged."""
+def merge_round_metrics(rounds: list[dict[str, float]], sizes: list[int]) -> dict[str, float]:
+    """Reward metrics over every DAPO generation round (``sizes[i]`` samples in round ``i``):
+    counts summed, maxima and minima over the rounds, the rest averaged over the samples."""
     out: dict[str, float] = {}
     for k in rounds[0]:
-        vals = [r[k] for r in rounds if k in r]
+        pairs = [(r[k], n) for r, n in zip(rounds, sizes, strict=True) if k in r]
+        vals = [v for v, _ in pairs]
         if k in ("reward/failed", "reward/timeouts"):
             out[k] = sum(vals)
+        elif k.endswith("/max") or k.endswith("/min"):
+            out[k] = max(vals) if k.endswith("/max") else min(vals)
         else:
-            out[k] = max(vals) if k.endswith("/max") else min(vals) if k.endswith("/min") else sum(vals) / len(vals)
+            out[k] = sum(v * n for v, n in pairs) / max(sum(n for _, n in pairs), 1)
     return out
 
 
@@ -91,8 +94,9 @@ class RolloutCollector:
     def dp_size(self) -> int:
         return self.ctx.world_size // self.tp
 
-    def next_prompts(self) -> list[Any]:
-        idx = self.sampler.next_batch()
+    def next_prompts(self, count: int | None = None) -> list[Any]:
+        """This rank's share of the next ``count`` prompts (data.train_batch_size by default)."""
+        idx = self.sampler.next_batch(count)
         per = len(idx) // self.dp_size
         return [self.train_records[i] for i in idx[self.dp_rank * per : (self.dp_rank + 1) * per]]
 
@@ -106,8 +110,10 @@ class RolloutCollector:
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seeds=seeds
         )
 
-    def generate(self, prompts: list[Any], round_idx: int = 0) -> Rollout:
-        offset = (round_idx * self.dp_size + self.dp_rank) * len(prompts)
+    def generate(self, prompts: list[Any], round_idx: int = 0, first_group: int = 0) -> Rollout:
+        """Sample and stamp one round's groups; ``first_group`` is the step's global index of the
+        round's first prompt (the prompts drawn in earlier rounds), so group ids stay unique."""
+        offset = first_group + self.dp_rank * len(prompts)
         spec = self.sampling_spec([offset + i for i in range(len(prompts))], round_idx)
         # Stamped with the version the engine really holds (set only by a completed sync).
         version = self.switch.engine_version
@@ -185,29 +191,42 @@ class RolloutCollector:
         raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
         if not a.filter_groups.enable:
             return rollout, m
-        target = self.cfg.data.train_batch_size * self.cfg.rollout.n
+        return self.fill_batch(rollout, m, timer)
+
+    def fill_batch(self, rollout: Rollout, m: dict[str, float], timer: PhaseTimer) -> tuple[Rollout, dict[str, float]]:
+        """DAPO dynamic sampling: keep the groups whose answers differ, draw more prompts
+        (``algorithm.filter_groups.refill``) until data.train_batch_size groups are kept or
+        max_gen_rounds ran, and deal whole groups out to the ranks."""
+        f, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
+        batch = self.cfg.data.train_batch_size
         kept, drawn, rounds = [], 0, 0
         round_metrics = [{k: v for k, v in m.items() if k.startswith(REWARD_METRICS)}]
+        sizes = [len(rollout.samples)]
         while True:
             everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
             drawn += len({s.group for s in everyone})
             # DAPO filters on accuracy (verl's filter_groups.metric=acc): a group right in every
             # answer but differing only in the overlong penalty has nothing to teach but length.
-            values = [s.acc if a.filter_groups.metric == "acc" else s.score for s in everyone]
+            values = [s.acc if f.metric == "acc" else s.score for s in everyone]
             mask = informative_groups(torch.tensor(values), torch.tensor([s.group for s in everyone]))
             kept += [s for s, k in zip(everyone, mask.tolist(), strict=True) if k]
             rounds += 1
-            if len(kept) >= target or rounds >= a.filter_groups.max_gen_rounds:
+            if len(kept) >= batch * n or rounds >= f.max_gen_rounds:
                 break
+            count = batch
+            if f.refill == "missing":
+                informative = len({s.group for s in kept})
+                count = refill_prompts(batch - informative, drawn, informative, batch, self.dp_size, f.refill_margin)
             with timer.phase("generate"):
-                extra = self.generate(self.next_prompts(), round_idx=rounds)
+                extra = self.generate(self.next_prompts(count), round_idx=rounds, first_group=drawn)
             with timer.phase("reward"):
                 round_metrics.append(self.score(extra))
+            sizes.append(len(extra.samples))
             for k, v in extra.stats.items():
                 rollout.stats[k] = rollout.stats.get(k, 0.0) + v
             rollout = Rollout(extra.samples, extra.weights_version, rollout.stats)
-        m.update(merge_round_metrics(round_metrics))
-        used = whole_groups([s.group for s in kept], target, self.ctx.world_size)
+        m.update(merge_round_metrics(round_metrics, sizes))
+        used = whole_groups([s.group for s in kept], batch * n, self.ctx.world_size)
         mine = kept[:used][self.ctx.rank :: self.ctx.world_size]
         m.update(
             {

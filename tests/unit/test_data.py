@@ -205,6 +205,20 @@ def test_sampler_is_deterministic_and_resumable():
         PromptSampler(3, 4, seed=0)
 
 
+def test_sampler_draws_batches_of_any_size_and_resumes_between_them():
+    """DAPO's refill draws smaller batches: the position counts prompts, an epoch is still one
+    pass without repeats, and a resumed sampler continues mid-epoch with the same prompts."""
+    a = PromptSampler(10, 4, seed=3)
+    first = a.next_batch() + a.next_batch(3) + a.next_batch(2)
+    assert sorted(first) == sorted(set(first)) and len(first) == 9  # no prompt twice in an epoch
+    b = PromptSampler(10, 4, seed=3)
+    b.next_batch(), b.next_batch(3)
+    c = PromptSampler(10, 4, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert c.next_batch(2) == first[7:]
+    assert len(c.next_batch(2)) == 2 and c.epoch == 1  # the tail of 1 is dropped, as for whole batches
+
+
 def test_preference_split_keeps_each_prompt_on_one_side():
     from hybrid_rl.data.preference import split_by_prompt
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from hybrid_rl.algorithms.filters import whole_groups
+from hybrid_rl.algorithms.filters import refill_prompts, whole_groups
 from hybrid_rl.algorithms.kl import AdaptiveKLController, kl_estimate
 from hybrid_rl.algorithms.losses import make_actor_loss
 from hybrid_rl.algorithms.params import KLLossSettings
@@ -108,6 +108,45 @@ def test_dapo_filter_drops_an_all_correct_group_that_differs_only_in_length(ctx,
     out, m = collector.collect(0, PhaseTimer())
     assert [s.score for s in samples[:4]] == [1.0, 1.0, 1.0, 0.75] and [s.acc for s in samples[:4]] == [1.0] * 4
     assert len(out.samples) == kept and m["dapo/kept_samples"] == kept
+
+
+def test_refill_draws_for_the_missing_groups_at_the_informative_rate():
+    # 6 of 8 prompts varied, 2 groups missing: 2 / 0.75 = 2.67 -> 3 prompts; x1.25 -> 4
+    assert refill_prompts(2, drawn=8, informative=6, batch=8, ranks=1, margin=1.0) == 3
+    assert refill_prompts(2, drawn=8, informative=6, batch=8, ranks=1, margin=1.25) == 4
+    assert refill_prompts(2, drawn=8, informative=6, batch=8, ranks=2, margin=1.0) == 4  # a multiple of the ranks
+    assert refill_prompts(7, drawn=8, informative=1, batch=8, ranks=1, margin=1.25) == 8  # never over a batch
+    assert refill_prompts(8, drawn=8, informative=0, batch=8, ranks=1, margin=1.25) == 8  # no rate yet: a batch
+
+
+@pytest.mark.parametrize(("refill", "counts", "drawn"), [("full", [None, 8], 16), ("missing", [None, 3], 11)])
+def test_dapo_refill_draws_the_missing_prompts_with_unique_groups(ctx, reward_pool, refill, counts, drawn):
+    """8 prompts x G=2: 6 groups vary in round 1, so 2 are missing. ``full`` draws another 8
+    prompts (verl), ``missing`` 2 / (6 / 8) -> 3. The second round's groups are numbered after the
+    first's, the batch is filled with 8 whole groups, and the reward metrics are averaged over
+    the 16 + 6 (or 16 + 16) samples, not over the two rounds."""
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", ["+recipe=grpo_math", "data.train_batch_size=8", "rollout.n=2",
+                                 f"algorithm.filter_groups.refill={refill}", "algorithm.filter_groups.refill_margin=1.0"])  # fmt: skip
+    right, wrong = 7, 9
+    parts = SimpleNamespace(rollout_engine=None, switch=None, tokenizer=_Words({right: "\\boxed{4}", wrong: "\\boxed{5}"}), tools=[],
+                            train_records=[], sampler=None, reward_pool=reward_pool, reward_models=[])  # fmt: skip
+    collector = RolloutCollector(cfg, ctx, parts)
+    asked, firsts = [], []
+    collector.next_prompts = lambda count=None: asked.append(count) or [None] * (count or 8)
+
+    def generate(prompts, round_idx=0, first_group=0):
+        firsts.append(first_group)
+        answers = [(right, wrong)] * 6 + [(right, right)] * 2 if round_idx == 0 else [(wrong, right)] * len(prompts)
+        return Rollout([_sample(first_group + i, a, 5) for i in range(len(prompts)) for a in answers[i]], 0)
+
+    collector.generate = generate
+    out, m = collector.collect(0, PhaseTimer())
+    assert asked == counts and firsts == [0, 8] and m["dapo/prompts_drawn"] == drawn
+    assert len(out.samples) == 16 and len({s.group for s in out.samples}) == 8
+    assert {s.group for s in out.samples} == {0, 1, 2, 3, 4, 5, 8, 9}
+    second = 2 * counts[1]
+    assert m["critic/score/mean"] == pytest.approx((10 + second / 2) / (16 + second))  # right answers / samples
 
 
 def test_explained_variance_of_the_critic():
