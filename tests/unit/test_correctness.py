@@ -154,8 +154,12 @@ def test_k3_is_clamped_like_low_var_kl():
 
 # ---------------------------------------------------------------- 8. metrics
 def test_dapo_reward_metrics_cover_every_round():
-    m = merge_round_metrics([{"critic/score/mean": 0.2, "reward/failed": 1.0}, {"critic/score/mean": 0.6, "reward/failed": 2.0}])
-    assert m == {"critic/score/mean": pytest.approx(0.4), "reward/failed": 3.0}
+    rounds = [{"critic/score/mean": 0.2, "critic/score/max": 1.0, "reward/failed": 1.0},
+              {"critic/score/mean": 0.6, "critic/score/max": 0.5, "reward/failed": 2.0}]  # fmt: skip
+    m = merge_round_metrics(rounds, [256, 256])
+    assert m == {"critic/score/mean": pytest.approx(0.4), "critic/score/max": 1.0, "reward/failed": 3.0}
+    # a refill round of 64 samples weighs a quarter of a whole one
+    assert merge_round_metrics(rounds, [256, 64])["critic/score/mean"] == pytest.approx((0.2 * 256 + 0.6 * 64) / 320)
 
 
 def test_metrics_after_a_resume_appear_once_and_nan_is_kept(tmp_path):
