@@ -41,6 +41,10 @@ class NumericalError(HybridRLError, RuntimeError):
     """Training cannot continue: repeated non-finite losses/gradients, or non-finite weights."""
 
 
+class NoUpdateError(HybridRLError, RuntimeError):
+    """Too many steps in a row without an optimizer step (``trainer.no_update_action=stop``)."""
+
+
 class SandboxUnavailable(HybridRLError, RuntimeError):
     """No working isolation mechanism is installed."""
 

@@ -74,6 +74,15 @@ def relaunch_with_ranks(nproc: int, shutdown_grace_s: float, preload: list[str] 
     sys.exit(launch(nproc, sys.argv[1:], shutdown_grace_s, preload))
 
 
+def to_log_file(message: str) -> None:
+    """``message`` into main.log alone (the console has it already): the reason a run ended is
+    where a person reads the run's story afterwards, not only on a terminal that may be gone."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers + log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def run(cfg: DictConfig) -> None:
     from hybrid_rl.launch import die_with_launcher
 
@@ -97,6 +106,7 @@ def run(cfg: DictConfig) -> None:
         TASKS[cfg.trainer.task](cfg, ctx)
     except HybridRLError as e:  # expected: one line naming what is at fault, exit 2
         print(f"error (rank {ctx.rank}): {e}", file=sys.stderr, flush=True)
+        to_log_file(f"error (rank {ctx.rank}): {e}")
         code = 2
     # Every run, one rank or many, ends in finish_rank: the interpreter's own teardown can abort
     # (gloo threads, vLLM's atexit hook) and takes ~1.6 s on 2 cores; the task closed what it keeps.

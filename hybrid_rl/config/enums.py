@@ -28,6 +28,13 @@ class Task(StrEnum):
     eval = "eval"
 
 
+class NoUpdateAction(StrEnum):
+    """What a run does after ``trainer.no_update_patience`` steps in a row without an optimizer step."""
+
+    warn = "warn"
+    stop = "stop"
+
+
 class Device(StrEnum):
     auto = "auto"
     cpu = "cpu"

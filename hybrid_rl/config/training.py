@@ -14,7 +14,7 @@ from hybrid_rl.algorithms.params import (
     OverlongSettings,
     TISSettings,
 )
-from hybrid_rl.config.enums import Device, LoggerBackend, RMLoss, Task
+from hybrid_rl.config.enums import Device, LoggerBackend, NoUpdateAction, RMLoss, Task
 from hybrid_rl.config.groups import LoraConfig
 
 
@@ -198,6 +198,13 @@ class TrainerConfig:
     max_staleness: int = 0
     # Abort after this many consecutive updates with a non-finite loss or gradient norm (each is skipped).
     max_bad_steps: int = 3
+    # A step without an optimizer step (dynamic sampling kept no group whose answers differ, or every
+    # update was non-finite) is announced on the console and main.log each time; after this many in
+    # a row (0 = never) the run warns with what to change, or with no_update_action=stop ends with
+    # exit 2 after a checkpoint, instead of "finishing" without learning.
+    no_update_patience: int = 5
+    # warn | stop
+    no_update_action: NoUpdateAction = NoUpdateAction.warn
     # Seconds a collective may wait before the run fails with an error instead of hanging.
     collective_timeout_s: int = 600
     # SFT only: epochs over the training split (the step budget wins if reached first).

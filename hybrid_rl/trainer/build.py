@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -133,10 +133,32 @@ class RLParts:
     rollout_engine: RolloutEngine
     switch: HybridSwitch
     reward_pool: RewardPool
-    val_pool: RewardPool  # the verifier's pool for held-out accuracy
+    val_pool: RewardPool  # scores held-out answers: the training pool, or the verifier without functions
     reward_models: list[FSDPEngine]  # learned reward models (reward.reward_model.path, then .ensemble); [] = none
     data_metrics: dict[str, float] = field(default_factory=dict)  # rows read / kept / skipped per split
     model_path: str = ""  # the local model folder the run started from (checkpoints record it for export)
+
+
+def validation_pool(reward: Any, train_pool: RewardPool | None = None, announce: bool = True) -> RewardPool:
+    """The pool that scores held-out answers, for training's validation and for eval alike.
+
+    One rule: held-out answers are scored by the run's own reward functions (``train_pool`` when
+    given), so ``val/score`` and ``generations/val_*`` carry the training reward, and a greedy
+    answer counts as right when the ``math`` function gives it more than 0.5 or, without one, when
+    its total score does (:func:`hybrid_rl.trainer.validation.correct`). Only a run without reward
+    functions (a learned reward model alone, e.g. RLHF-PPO) has nothing to check answers with: it is
+    scored by the ``math`` verifier, and says so."""
+    from hybrid_rl.rewards.pool import RewardPool
+
+    if reward.functions:
+        return train_pool if train_pool is not None else RewardPool(reward)
+    if announce:
+        log.warning(
+            "validation: reward.functions is empty (the reward is a learned model), so held-out answers are "
+            "scored by the math verifier; val/accuracy is that verifier's"
+        )
+    verifier = {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}}
+    return RewardPool(OmegaConf.merge(reward, verifier))
 
 
 def optimizer_steps(cfg: Config) -> int:
@@ -151,7 +173,6 @@ def build_rl_parts(cfg: Config, ctx: DistContext, model_path: str, reward_model_
     import random
 
     import torch
-    from omegaconf import OmegaConf
 
     from hybrid_rl.config import resolve_precision
     from hybrid_rl.data.dataset import PromptSampler, check_chat_template, load_prompts, resolve_files
@@ -185,9 +206,7 @@ def build_rl_parts(cfg: Config, ctx: DistContext, model_path: str, reward_model_
         transport=r.sync_transport, adapter=adapter_config(lora, model_path) if lora is not None else None,
     )  # fmt: skip
     pool = RewardPool(cfg.reward)
-    # Held-out accuracy is always the verifier's, whatever the training reward is.
-    verifier = {"functions": [{"name": "math", "weight": 1.0}], "reward_model": {"path": None}}
-    val_pool = pool if any(f.name == "math" for f in cfg.reward.functions) else RewardPool(OmegaConf.merge(cfg.reward, verifier))
+    val_pool = validation_pool(cfg.reward, pool, ctx.is_main)
     rms = [build_reward_engine(p, cfg.model, cfg.actor, ctx, 1, trainable=False, seed=cfg.trainer.seed) for p in reward_model_paths or []]
     sampler = PromptSampler(len(train), d.train_batch_size, d.seed, d.shuffle)
     data = {**train_report.metrics("train"), **val_report.metrics("val")}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybrid_rl.dist import DistContext, all_gather_objects, barrier, broadcast_object
-from hybrid_rl.trainer.build import build_rollout_engine, build_tools, load_tokenizer, max_model_len
+from hybrid_rl.trainer.build import build_rollout_engine, build_tools, load_tokenizer, max_model_len, validation_pool
 
 if TYPE_CHECKING:  # annotations only
     from hybrid_rl.config import Config
@@ -31,7 +31,7 @@ def model_folder(path: str, out_dir: Path, ctx: DistContext) -> str:
     if ctx.is_main:
         from hybrid_rl.export import export_checkpoint
 
-        export_checkpoint(path, target)
+        export_checkpoint(path, target, overwrite=True)  # the eval's own folder: a re-run replaces it
     barrier()
     return str(target)
 
@@ -45,7 +45,6 @@ def standard_errors(metrics: dict[str, float], n: float, pass_k: int) -> dict[st
 
 def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]:
     from hybrid_rl.data.dataset import load_prompts, resolve_files
-    from hybrid_rl.rewards.pool import RewardPool
     from hybrid_rl.trainer.validation import evaluate, single_turn_sampler
 
     out_dir = Path(cfg.trainer.output_dir)
@@ -58,7 +57,7 @@ def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]
     if ctx.is_main:
         log.info(report.summary("data.val_files", d.max_prompt_length))
     engine = build_rollout_engine(folder, cfg, ctx, max_model_len(cfg, folder), cfg.trainer.seed)
-    pool = RewardPool(cfg.reward)
+    pool = validation_pool(cfg.reward, announce=ctx.is_main)
     try:
         r = cfg.rollout
         result = evaluate(single_turn_sampler(engine, tok), records, pool, ctx, r.max_response_length, r.val_pass_k,

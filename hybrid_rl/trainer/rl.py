@@ -25,7 +25,7 @@ from hybrid_rl.batch import Rollout, TrainBatch, collate
 from hybrid_rl.config import AlgorithmConfig, Config
 from hybrid_rl.dist import DistContext, all_reduce_sum, barrier, gather_rows
 from hybrid_rl.engine.heads import Sampling
-from hybrid_rl.errors import NumericalError
+from hybrid_rl.errors import NoUpdateError, NumericalError
 from hybrid_rl.faults import fault_active, maybe_fail
 from hybrid_rl.resume import model_identity
 from hybrid_rl.timing import STEP_PREFIX, PhaseTimer, phase_key, process_stats
@@ -34,6 +34,7 @@ from hybrid_rl.trainer.build import RLParts
 from hybrid_rl.trainer.collect import RolloutCollector
 from hybrid_rl.trainer.generations import GenerationLog, rollout_rows
 from hybrid_rl.trainer.logger import MetricsLogger
+from hybrid_rl.trainer.no_update import NoUpdateWatch, no_update_reason
 from hybrid_rl.trainer.profiling import profiled
 from hybrid_rl.trainer.run_control import RunControl
 from hybrid_rl.trainer.step_metrics import Throughput, explained_variance, reduce_metrics, switch_metrics
@@ -74,6 +75,7 @@ class RLTrainer:
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         made_from = {"model": model_identity(cfg.model), "model_dir": str(Path(parts.model_path).resolve()), "config": resolved}
         self.control = RunControl(cfg.trainer, ctx, self.out_dir, parts.actor, parts.critic, made_from)
+        self.no_update = NoUpdateWatch(cfg.trainer.no_update_patience, cfg.trainer.no_update_action, ctx.is_main)
         self.step_idx = 0
         self.val_start_hits: torch.Tensor | None = None  # the run's first validation, per problem
         self.logger = MetricsLogger(cfg.logger, self.out_dir, resolved, cfg.trainer.total_steps, ctx.is_main)
@@ -101,6 +103,9 @@ class RLTrainer:
                 metrics.update(self.validate())
             self.logger.log(self.step_idx, metrics)
             last = metrics
+            if self.no_update.must_stop:
+                self.save()
+                raise NoUpdateError(self.no_update.message())
             if self.control.due(self.step_idx) and self.step_idx < cfg.total_steps:
                 self.save()
         self.save()
@@ -116,7 +121,9 @@ class RLTrainer:
             rollout, m = self.collector.collect(self.step_idx, timer)
             with timer.phase("switch_to_train"):
                 m.update(switch_metrics(self.switch.to_train()))
+            skipped_before = self.actor.skipped_steps
             m.update(self.train_on_batch(rollout, timer))
+            m.update(self.no_update.observe(self.step_idx + 1, no_update_reason(m, skipped_before, self.actor.skipped_steps)))
             self.check_numerics()
             maybe_fail("switch", self.step_idx + 1, self.ctx.rank)
             with timer.phase("switch_to_rollout"):
@@ -134,7 +141,7 @@ class RLTrainer:
         the engines in training mode; bumps the trainer's weights version."""
         timer = timer or PhaseTimer(STEP_PREFIX, self.ctx.device)
         if not rollout.samples:  # dynamic sampling kept nothing: every group's answers scored the same
-            return {"dapo/skipped_updates": 1.0}
+            return {"dapo/skipped_updates": 1.0}  # said out loud by the NoUpdateWatch
         m: dict[str, float] = {}
         batch = self.make_batch(rollout)
         with timer.phase("logprobs"):

@@ -35,6 +35,15 @@ def write_parquet(path: Path, n: int, split: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def assert_own_reward(rows: list[dict]) -> None:
+    """Each generation row's score is the custom reward's (a fraction for a wrong answer of under
+    40 characters), not the math verifier's 0/1."""
+    scope: dict = {}
+    exec(REWARD, scope)
+    for r in rows:
+        assert r["score"] == pytest.approx(scope["score"](r["data_source"], r["response"], r["ground_truth"])), r
+
+
 def main(*args: str) -> subprocess.CompletedProcess:
     p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
@@ -57,6 +66,9 @@ def test_own_parquet_and_reward_train_eval_export(tmp_path):
     assert gens == ["train_step_0001.jsonl", "train_step_0002.jsonl", "val_step_0000.jsonl", "val_step_0002.jsonl"]
     row = json.loads((run / "generations" / "val_step_0002.jsonl").read_text().splitlines()[0])
     assert set(row) == {"prompt", "response", "score", "ground_truth", "data_source"} and "plus" in row["prompt"]
+    # validation scored with the run's own reward (not the math verifier), as eval does below
+    for name in ("val_step_0000.jsonl", "val_step_0002.jsonl"):
+        assert_own_reward([json.loads(x) for x in (run / "generations" / name).read_text().splitlines()])
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"val/accuracy/my_math", "val/accuracy/my_facts"} <= set(metrics[-1])
 
@@ -70,6 +82,7 @@ def test_own_parquet_and_reward_train_eval_export(tmp_path):
         summary = json.loads((out / "eval.json").read_text())
         assert summary["n"] == 8 and {"val/accuracy_se", "val/pass@2_se", "val/accuracy/my_math"} <= set(summary["metrics"])
         evals[backend] = [json.loads(x) for x in (out / "generations" / "eval.jsonl").read_text().splitlines()]
+        assert_own_reward(evals[backend])
     assert len(evals["vllm"]) == 8
     assert [r["response"] for r in evals["vllm"]] == [r["response"] for r in evals["hf"]]
 

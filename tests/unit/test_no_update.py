@@ -1,0 +1,36 @@
+"""Steps without an optimizer step: why, and the watch that says so and stops the run."""
+
+import logging
+
+from hybrid_rl.trainer.no_update import NoUpdateWatch, no_update_reason
+
+
+def test_reason_names_the_cause():
+    dapo = {"dapo/skipped_updates": 1.0, "dapo/prompts_drawn": 12.0, "dapo/gen_rounds": 3.0, "critic/score/mean": 1.0}
+    assert "12 groups drawn in 3" in no_update_reason(dapo, 0, 0)
+    assert "non-finite" in no_update_reason({"actor/optimizer_steps": 2.0}, 5, 7)
+    assert no_update_reason({"actor/optimizer_steps": 2.0}, 5, 6) == ""  # one of two steps updated
+    assert no_update_reason({"actor/optimizer_steps": 1.0}, 0, 0) == ""
+
+
+def test_watch_logs_every_skip_warns_once_and_resets(caplog):
+    watch = NoUpdateWatch(patience=2, action="warn", is_main=True)
+    with caplog.at_level(logging.WARNING, logger="hybrid_rl"):
+        out = [watch.observe(s, "why") for s in (1, 2, 3)]
+    assert [m["trainer/no_update_streak"] for m in out] == [1.0, 2.0, 3.0]
+    text = caplog.text
+    assert "step 1: no update" in text and "step 3: no update" in text
+    assert text.count("steps in a row without an update") == 1 and not watch.must_stop
+    assert watch.observe(4, "")["trainer/no_update"] == 0.0 and watch.streak == 0
+
+
+def test_watch_stops_at_patience_and_never_with_zero():
+    stop = NoUpdateWatch(patience=2, action="stop", is_main=False)
+    stop.observe(1, "why")
+    assert not stop.must_stop
+    stop.observe(2, "why")
+    assert stop.must_stop and "trainer.no_update_patience=2" in stop.message()
+    never = NoUpdateWatch(patience=0, action="stop", is_main=False)
+    for s in range(10):
+        never.observe(s, "why")
+    assert not never.must_stop
