@@ -7,9 +7,9 @@ Reads the checkpoint's metadata (names, shapes, dtypes), then loads the policy's
 a time with ``torch.distributed.checkpoint`` (a partial load of just those keys, no process
 group), casts them and writes ``model-0000i-of-0000n.safetensors`` plus the index that
 ``transformers`` reads. Peak memory is about one shard in the saved dtype plus its cast copy.
-``config.json`` (with ``torch_dtype``), the tokenizer files and the chat template come from the
-model folder the run started from (recorded in the checkpoint's manifest as ``model_dir``).
-The end of an RL run exports through this same function.
+``config.json`` (its ``dtype`` and ``torch_dtype`` set to the dtype written), the tokenizer files
+and the chat template come from the model folder the run started from (recorded in the
+checkpoint's manifest as ``model_dir``). The end of an RL run exports through this same function.
 
 A folder that is not empty is refused unless ``--overwrite``: the new shards
 (``model-0000i-of-0000n``) do not replace an older ``model.safetensors``, and ``transformers``
@@ -134,13 +134,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
 
 def write_index_and_files(out: Path, src: Path, config: dict, weight_map: dict[str, str], total: int, dtype: str) -> None:
-    """The shard index, ``config.json`` (with ``torch_dtype``) and every non-weight file of the
-    source model folder (tokenizer, chat template, generation config)."""
+    """The shard index, ``config.json`` and every non-weight file of the source model folder
+    (tokenizer, chat template, generation config). Both of the config's dtype keys name the dtype
+    written: ``transformers`` writes ``dtype`` (older versions ``torch_dtype``) and reads either
+    for ``dtype="auto"``, and vLLM takes its default dtype from it; a source value left beside a
+    cast would load a bf16 export as fp32."""
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(WEIGHT_FILES) and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, out / f.name)
-    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=1))
+    (out / "config.json").write_text(json.dumps({**config, "dtype": dtype, "torch_dtype": dtype}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

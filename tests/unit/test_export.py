@@ -1,10 +1,12 @@
 """``python -m hybrid_rl.export`` on tiny distributed checkpoints written here (the micro model's
-tensors, shifted so they differ from the model folder's): what lands on disk, read back through
-``transformers``.
+tensors, shifted so they differ from the model folder's): what lands on disk, read back from the
+safetensors headers and through ``transformers``.
 
 - An export into a folder that already holds a model is refused (exit 2, nothing read or touched)
   unless ``--overwrite``, which leaves exactly the new export: new shard names never replace an
   old ``model.safetensors``, and ``transformers`` would load the old weights beside them.
+- ``config.json``'s ``dtype`` and ``torch_dtype`` both name the dtype the shards hold, so
+  ``dtype="auto"`` (and vLLM's default) loads what was written.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 PREFIX = "app.model.lm."
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def save_dcp(state: dict[str, torch.Tensor], ckpt: Path, model_dir: str, lora: dict | None) -> None:
@@ -74,6 +77,17 @@ def export(ckpt: Path, out: Path, *flags: str) -> int:
 
 def digest(folder: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
+
+
+def stored_dtypes(folder: Path) -> set[str]:
+    """The dtype of every tensor in every safetensors file, from the file headers (no load, no cast)."""
+    from safetensors import safe_open
+
+    found = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            found |= {ST_DTYPES[f.get_slice(k).get_dtype()] for k in f.keys()}
+    return found
 
 
 def assert_loads(out: Path, want: dict[str, torch.Tensor]) -> None:
@@ -145,6 +159,25 @@ def test_the_api_refuses_a_non_empty_folder_unless_overwrite(full_ckpt, tmp_path
     with pytest.raises(ValueError, match="reads from"):  # never the source folder, even with overwrite
         export_checkpoint(ckpt, ckpt, overwrite=True)
 
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("kind", ["full", "merged", "adapter"])
+def test_config_dtype_names_the_dtype_on_disk(kind, dtype, full_ckpt, lora_ckpt, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = (full_ckpt if kind == "full" else lora_ckpt)[0]
+    out = tmp_path / "out"
+    assert export(ckpt, out, *(["--dtype", dtype] if dtype else []), *(["--adapter"] if kind == "adapter" else [])) == 0
+    want = dtype or "float32"  # as saved: fp32 masters, and the micro model's fp32 base
+    assert stored_dtypes(out) == {want}
+    if kind == "adapter":  # PEFT's config has no dtype field; nothing there may contradict the file
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert {v for k, v in config.items() if "dtype" in k} <= {want}, config
+        return
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == want, config
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, want)}
 
 
 def test_an_eval_of_a_checkpoint_exports_again_into_its_own_folder(full_ckpt, tmp_path):
