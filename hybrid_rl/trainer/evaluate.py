@@ -1,9 +1,11 @@
 """Evaluation as a task (``trainer.task=eval``, ``+recipe=eval_math``): a model folder or a
 checkpoint, greedy accuracy and (with ``rollout.val_pass_k``) pass@k / mean@k on
 ``data.val_files``, each with its standard error and per data source, through the rollout engine
-and reward code that training uses. Writes ``output_dir/eval.json`` and every greedy sample to
-``output_dir/generations/eval.jsonl``. A checkpoint is first exported next to them
-(:mod:`hybrid_rl.export`)."""
+and reward code that training uses. A checkpoint is evaluated on its run's own held-out files,
+lengths and reward unless the command line sets them (:mod:`hybrid_rl.trainer.eval_setup`) and
+is first exported (:mod:`hybrid_rl.export`). Each eval writes its own folder
+(``output_dir/<model>-<time>``): ``eval.json`` and every greedy sample in
+``generations/eval.jsonl``."""
 
 from __future__ import annotations
 
@@ -45,10 +47,11 @@ def standard_errors(metrics: dict[str, float], n: float, pass_k: int) -> dict[st
 
 def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]:
     from hybrid_rl.data.dataset import load_prompts, resolve_files
+    from hybrid_rl.trainer.eval_setup import prepare_eval
     from hybrid_rl.trainer.validation import evaluate, single_turn_sampler
 
-    out_dir = Path(cfg.trainer.output_dir)
     start = time.perf_counter()
+    out_dir = Path(broadcast_object(str(prepare_eval(cfg, model_path, ctx.is_main))))
     folder = broadcast_object(model_folder(model_path, out_dir, ctx))
     tok = load_tokenizer(folder, cfg.model.trust_remote_code)
     _, schemas = build_tools(cfg)

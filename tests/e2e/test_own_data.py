@@ -44,8 +44,14 @@ def assert_own_reward(rows: list[dict]) -> None:
         assert r["score"] == pytest.approx(scope["score"](r["data_source"], r["response"], r["ground_truth"])), r
 
 
-def main(*args: str) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+def one(paths) -> Path:
+    found = list(paths)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def main(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
     return p
 
@@ -72,13 +78,16 @@ def test_own_parquet_and_reward_train_eval_export(tmp_path):
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"val/accuracy/my_math", "val/accuracy/my_facts"} <= set(metrics[-1])
 
-    # evaluate the mid-run checkpoint with both rollout backends
+    # evaluate the mid-run checkpoint with both rollout backends: vLLM with nothing but the
+    # checkpoint (the run's val file, lengths and reward come from its recorded config, into a
+    # folder of its own), transformers with everything given
     ckpt = run / "checkpoints" / "step_000001"
     evals = {}
     for backend in ("vllm", "hf"):
-        out = tmp_path / f"eval_{backend}"
-        main("hybrid_rl.main", "+recipe=eval_math", f"model.path={ckpt}", *common, "rollout.val_pass_k=2",
-             f"rollout.backend={backend}", f"trainer.output_dir={out}")  # fmt: skip
+        given = [*common, f"trainer.output_dir={tmp_path / 'eval_hf'}"] if backend == "hf" else ["logger.progress_bar=false", "rollout.dtype=float32"]
+        main("hybrid_rl.main", "+recipe=eval_math", f"model.path={ckpt}", "rollout.val_pass_k=2", f"rollout.backend={backend}",
+             *given, cwd=tmp_path)  # fmt: skip
+        out = tmp_path / "eval_hf" if backend == "hf" else one(tmp_path.glob("outputs/eval_math/run-step_000001-*"))
         summary = json.loads((out / "eval.json").read_text())
         assert summary["n"] == 8 and {"val/accuracy_se", "val/pass@2_se", "val/accuracy/my_math"} <= set(summary["metrics"])
         evals[backend] = [json.loads(x) for x in (out / "generations" / "eval.jsonl").read_text().splitlines()]
@@ -93,7 +102,7 @@ def test_own_parquet_and_reward_train_eval_export(tmp_path):
     p = main("hybrid_rl.export", str(ckpt), str(tmp_path / "export"), "--dtype", "bfloat16")
     assert json.loads(p.stdout.splitlines()[-1])["step"] == 1
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.bfloat16)
-    fp32 = AutoModelForCausalLM.from_pretrained(tmp_path / "eval_vllm" / "model", dtype=torch.float32)  # the eval's fp32 export
+    fp32 = AutoModelForCausalLM.from_pretrained(tmp_path / "eval_hf" / "model", dtype=torch.float32)  # the eval's fp32 export
     for (name, a), (_, b) in zip(exported.state_dict().items(), fp32.state_dict().items(), strict=True):
         assert torch.equal(a, b.to(torch.bfloat16)), name
     assert (run / "hf" / "model.safetensors.index.json").is_file()  # the end-of-run export took the same path
