@@ -203,7 +203,7 @@ class TrainerConfig:
     # a row (0 = never) the run warns with what to change, or with no_update_action=stop ends with
     # exit 2 after a checkpoint, instead of "finishing" without learning.
     no_update_patience: int = 5
-    # warn | stop
+    # What no_update_patience steps in a row without an update do: warn (and go on) or stop.
     no_update_action: NoUpdateAction = NoUpdateAction.warn
     # Seconds a collective may wait before the run fails with an error instead of hanging.
     collective_timeout_s: int = 600

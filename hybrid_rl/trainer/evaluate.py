@@ -69,7 +69,11 @@ def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]
         pool.close()
         barrier()
         engine.shutdown()
-    metrics = {**result.metrics, **standard_errors(result.metrics, result.metrics["val/n"], cfg.rollout.val_pass_k), **report.metrics("val")}
+    metrics = {
+        **result.metrics,
+        **standard_errors(result.metrics, result.metrics["val/n"], cfg.rollout.val_pass_k),
+        **report.metrics("val"),
+    }
     metrics["timing_s/eval"] = time.perf_counter() - start
     samples = [s for part in all_gather_objects(result.samples) for s in part]
     if ctx.is_main:
@@ -77,7 +81,9 @@ def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]
     return metrics
 
 
-def write_results(out_dir: Path, cfg: Config, model_path: str, folder: str, metrics: dict[str, float], samples: list[dict]) -> None:
+def write_results(
+    out_dir: Path, cfg: Config, model_path: str, folder: str, metrics: dict[str, float], samples: list[dict]
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {
         "model": model_path, "model_folder": folder, "val_files": list(cfg.data.val_files), "n": metrics["val/n"],
@@ -90,4 +96,10 @@ def write_results(out_dir: Path, cfg: Config, model_path: str, folder: str, metr
     with (gen / "eval.jsonl").open("w", encoding="utf-8") as fh:
         for s in samples:
             fh.write(json.dumps(s, ensure_ascii=False) + "\n")
-    log.info("eval: accuracy %.4f +- %.4f on %d problems; %s", metrics["val/accuracy"], metrics["val/accuracy_se"], int(metrics["val/n"]), out_dir / "eval.json")
+    log.info(
+        "eval: accuracy %.4f +- %.4f on %d problems; %s",
+        metrics["val/accuracy"],
+        metrics["val/accuracy_se"],
+        int(metrics["val/n"]),
+        out_dir / "eval.json",
+    )
