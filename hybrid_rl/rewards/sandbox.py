@@ -26,7 +26,10 @@ Per call (see :meth:`Sandbox.run`):
 - a wall-clock timeout that SIGKILLs bwrap, whose ``--die-with-parent`` init takes the whole
   PID namespace (double-forked orphans included) down with it;
 - output written to a file capped by the file-size limit and read back truncated to
-  ``output_bytes``.
+  ``output_bytes``;
+- a process killed outright (SIGKILL) mid-call runs no clean-up, so cgroups and scratch folders
+  are named ``hybrid_rl-sbx-<pid>-<random>`` after their maker, and each new sandbox removes those
+  of dead processes (:func:`sweep_leftovers`); a live one's, another run's included, stay.
 
 If bwrap (or the uid, setpriv, prlimit) is missing, :func:`check_available` raises at start.
 There is no silent fallback: ``backend="none"`` runs code unsandboxed only when asked for
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -52,6 +56,8 @@ from hybrid_rl.rewards.seccomp import seccomp_filter
 log = logging.getLogger("hybrid_rl")
 
 UNPRIVILEGED_UID = 65534  # nobody
+PREFIX = "hybrid_rl-sbx-"  # + "<pid of the process that made it>-<random>": cgroups and scratch folders
+_OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-\w+")
 
 
 @dataclass
@@ -156,6 +162,8 @@ class Sandbox:
                 "delegated cgroup (e.g. systemd-run --scope -p Delegate=yes ...) or pass require_cgroup=False to rely "
                 "on rlimits alone (RLIMIT_AS is not a resident-memory limit)"
             )
+        if backend == "bwrap":
+            sweep_leftovers([d for d in (self.mem_cg, self.pids_cg, self.v2_cg) if d is not None], Path(tempfile.gettempdir()))
 
     # -------------------------------------------------------------- public
     def run(self, code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
@@ -192,7 +200,7 @@ class Sandbox:
 
     def _make_cgroups(self, lim: SandboxLimits) -> list[Path]:
         made = []
-        name = f"hybrid_rl-sbx-{uuid.uuid4().hex[:12]}"
+        name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         mem = lim.memory_mb << 20
         if self.v2_cg is not None:
             plan = [(self.v2_cg, {"memory.max": mem, "memory.swap.max": 0, "pids.max": lim.processes})]
@@ -219,7 +227,7 @@ class Sandbox:
 
     def _run_bwrap(self, code: str, stdin: str, lim: SandboxLimits) -> SandboxResult:
         start = time.perf_counter()
-        host_dir = Path(tempfile.mkdtemp(prefix="hybrid_rl-sbx-"))
+        host_dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         cgroups: list[Path] = []
         notes: list[str] = []
         seccomp_fd = -1
@@ -350,3 +358,41 @@ def _remove_cgroup(d: Path) -> None:
         except OSError:
             time.sleep(0.02)
     log.warning("sandbox: could not remove cgroup %s", d)
+
+
+def _owner_gone(name: str) -> bool:
+    """A sandbox's name whose maker is certainly dead (no pid in it, or a live one even if reused: kept)."""
+    m = _OWNED.fullmatch(name)
+    if m is None:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, another user's
+        pass
+    return False
+
+
+def sweep_leftovers(cgroup_bases: list[Path], tmp_dir: Path) -> list[Path]:
+    """Remove what killed processes left: their cgroups under ``cgroup_bases`` (only when empty:
+    ``cgroup.procs`` lists no process) and their scratch folders in ``tmp_dir``. One log line when
+    it removed or had to keep anything; returns what was removed."""
+    swept, kept = [], []
+    for d in [d for base in cgroup_bases for d in base.glob(PREFIX + "*")] + list(tmp_dir.glob(PREFIX + "*")):
+        if not (_owner_gone(d.name) and d.is_dir()):
+            continue
+        try:
+            in_tmp = d.parent == tmp_dir
+            if not in_tmp and (d / "cgroup.procs").read_text().strip():
+                raise OSError("processes still inside")
+            shutil.rmtree(d) if in_tmp else d.rmdir()
+            swept.append(d)
+        except FileNotFoundError:  # another sandbox swept it first
+            pass
+        except OSError as e:
+            kept.append(f"{d} ({e.strerror or e})")
+    if swept or kept:
+        what = f"removed {len(swept)} leftovers of killed processes: {', '.join(map(str, swept)) or 'none'}"
+        log.warning("sandbox: %s%s", what, f"; kept {len(kept)}: {', '.join(kept)}" if kept else "")
+    return swept

@@ -4,7 +4,10 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -299,3 +302,101 @@ def test_python_tool_runs_as_many_calls_at_once_as_configured():
     seconds, out = asyncio.run(many())
     assert all(r.text == "ok" for r in out)
     assert seconds < 1.9, f"8 one-second calls took {seconds:.2f} s: fewer than 8 ran at once"
+
+
+# ---------------------------------------------------------------- what a killed process leaves behind
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()  # reaped: the pid names no process now
+    return p.pid
+
+
+def _cgroup_bases(sandbox) -> list:
+    return [d for d in (sandbox.mem_cg, sandbox.pids_cg, sandbox.v2_cg) if d is not None]
+
+
+def test_a_new_sandbox_sweeps_what_dead_processes_left_and_keeps_a_live_ones(sandbox, tmp_path, monkeypatch, caplog):
+    """Only entries named for a pid that no longer exists go: another run on the same machine (a
+    live pid) keeps its cgroups and scratch folders."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    live = subprocess.Popen(["sleep", "60"])
+    dead = _dead_pid()
+    made = []
+    try:
+        for pid in (dead, live.pid):
+            scratch = tmp_path / f"hybrid_rl-sbx-{pid}-ab12cd_3"
+            scratch.mkdir()
+            (scratch / "main.py").write_text("print(1)")
+            made.append(scratch)
+            for base in _cgroup_bases(sandbox):
+                (base / f"hybrid_rl-sbx-{pid}-0123456789ab").mkdir()
+                made.append(base / f"hybrid_rl-sbx-{pid}-0123456789ab")
+        (tmp_path / "hybrid_rl-sbx-k3j2h1g0").mkdir()  # the old name, without a pid: the owner is unknown
+        with caplog.at_level("WARNING", logger="hybrid_rl"):
+            Sandbox(SandboxLimits(wall_seconds=5))
+        gone = [d for d in made if not d.exists()]
+        assert gone == [d for d in made if f"-{dead}-" in d.name], gone
+        assert len(gone) == 1 + len(_cgroup_bases(sandbox))
+        assert (tmp_path / "hybrid_rl-sbx-k3j2h1g0").is_dir()
+        lines = [r.getMessage() for r in caplog.records if "leftovers" in r.getMessage()]
+        assert len(lines) == 1 and all(str(d) in lines[0] for d in gone), lines
+    finally:
+        live.kill()
+        live.wait()
+        for d in made:
+            if d.exists() and d.parent != tmp_path:
+                d.rmdir()
+
+
+KILLED_CHILD = """
+from hybrid_rl.rewards import sandbox as sb
+make = sb.Sandbox._make_cgroups
+def announce(self, lim):
+    made = make(self, lim)
+    print("CGROUPS", *made, flush=True)
+    return made
+sb.Sandbox._make_cgroups = announce
+sb.Sandbox(sb.SandboxLimits(wall_seconds=60, cpu_seconds=60)).run("import time; print('started', flush=True); time.sleep(60)")
+"""
+
+
+@pytest.fixture
+def open_tmp():
+    """A temp dir the sandbox's uid can reach (pytest's tmp_path is under a 0700 folder of root's)."""
+    d = Path(tempfile.mkdtemp(prefix="hybrid_rl-test-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_process_killed_mid_call_leaves_nothing_after_the_next_sandbox_starts(open_tmp, monkeypatch):
+    """SIGKILL runs no ``finally``: the call's cgroups and scratch folder stayed for good."""
+    tmp_path = open_tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD], stdout=subprocess.PIPE, text=True, env=env)
+    cgroups = []
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("CGROUPS"), line
+        cgroups = [Path(p) for p in line.split()[1:]]
+        scratch = [d for d in tmp_path.iterdir() if d.name.startswith("hybrid_rl-sbx-")]
+        deadline = time.time() + 30
+        while not any((d / "stdout").is_file() and (d / "stdout").read_text() for d in scratch) and time.time() < deadline:
+            time.sleep(0.1)
+        assert [(d / "stdout").read_text() for d in scratch] == ["started\n"]  # mid-call
+        child.kill()
+        child.wait()
+        deadline = time.time() + 10  # bwrap --die-with-parent takes the sandbox down with the child
+        while any((d / "cgroup.procs").read_text().strip() for d in cgroups) and time.time() < deadline:
+            time.sleep(0.1)
+        assert cgroups and all(d.is_dir() for d in cgroups) and scratch[0].is_dir()  # what the kill left
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        Sandbox(SandboxLimits(wall_seconds=5))
+        assert not [d for d in cgroups if d.exists()]
+        assert not [d for d in tmp_path.iterdir() if d.name.startswith("hybrid_rl-sbx-")]
+        assert not [p for p in nobody_processes() if "main.py" in p]
+    finally:
+        child.kill()
+        for d in cgroups:
+            if d.exists():
+                d.rmdir()
