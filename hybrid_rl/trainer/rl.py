@@ -311,7 +311,8 @@ class RLTrainer:
         from hybrid_rl.export import export_checkpoint
 
         if self.ctx.is_main:
-            info = export_checkpoint(ckpt.latest_checkpoint(self.out_dir / "checkpoints"), self.out_dir / "hf")
+            # The run's own folder: a resumed run replaces the export an earlier end of it wrote.
+            info = export_checkpoint(ckpt.latest_checkpoint(self.out_dir / "checkpoints"), self.out_dir / "hf", overwrite=True)
             log.info("exported %s (%d tensors, %.1f MiB)", self.out_dir / "hf", info["tensors"], info["bytes"] / 2**20)
         barrier()
 
