@@ -357,7 +357,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("optimizer_state_not_saved", "checkpointing", "hybrid_rl/trainer/checkpoint.py",
            'return {"model": model_sd, "optim": optim_sd}',
            'return {"model": model_sd, "optim": {}}',
-           ("tests/e2e/test_reliability.py::test_kill9_then_resume_matches_uninterrupted[1-update@3-1]",),
+           ("tests/e2e/test_combinations.py::test_cell_fresh_and_resumed[1rank-full-fp32-killed_in_generate_step3_redone]",),
            "the optimizer state is left out of the checkpoint: a resume restarts AdamW's moments"),
     # ------------------------------------------------------------------ launcher
     Mutant("launcher_exit_status_lost", "launcher", "hybrid_rl/launch.py",
@@ -392,7 +392,7 @@ CATALOGUE: tuple[Mutant, ...] = (
 # references + 66 s, the dead-rank test 37 s; no vLLM engine start or other test here over 34 s): a
 # guess for --list and planning, the run measures. First match wins, plus a pytest start-up per run.
 EST_S = (
-    ("tests/e2e/test_reliability.py::test_kill9", 140),  # 1- and 2-rank references, the killed run, the resume
+    ("tests/e2e/test_combinations.py::test_cell", 70),  # the fresh run, the killed run, the resume
     ("tests/e2e/test_reliability.py::test_a_dead_rank", 45),
     ("tests/e2e/", 40),
     ("tests/integration/test_ranks.py", 120),  # rank_checks.py on 1, then 2 torchrun ranks
