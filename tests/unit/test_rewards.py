@@ -1,5 +1,6 @@
 """Reward functions and the pool's failure policy (real worker processes, real timeouts)."""
 
+import logging
 import math
 from types import SimpleNamespace
 
@@ -29,6 +30,12 @@ def by_text(ds, s, gt, extra=None):
         time.sleep(60)
     if s == "raise":
         raise ValueError("bad")
+    return 1.0
+def np_score(ds, s, gt, extra=None):
+    import numpy as np
+    return {"score": np.float32(0.25), "hits": np.int64(3), "note": "text", "bad": float("nan")}
+def sleeps(ds, s, gt, extra=None):
+    time.sleep(float(s))
     return 1.0
 """
 
@@ -132,3 +139,81 @@ def test_dict_rewards_and_always_failing_stops_run(tmp_path):
             pool.check_failures(pool.score([("d", "s", "1", {})]))
     finally:
         pool.close()
+
+
+def test_a_reward_raising_on_some_answers_logs_one_traceback_then_counts(tmp_path, caplog):
+    """A reward raising on 6 of 10 answers left nothing but reward/failed=6: now its first
+    ValueError is printed with the worker's traceback (the line that raised), naming the
+    function; the other 5 are not printed each but counted in one line (at the latest on close)."""
+    pool = pool_for(tmp_path, ["by_text"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="hybrid_rl"):
+            res = pool.score([("d", "raise" if i % 5 < 3 else "ok", "1", {}) for i in range(10)])
+            assert sum(r.failed for r in res) == 6
+            full = [r.getMessage() for r in caplog.records if "Traceback" in r.getMessage()]
+            assert len(full) == 1, caplog.text
+            assert "by_text" in full[0] and "ValueError: bad" in full[0] and 'raise ValueError("bad")' in full[0]
+            pool.score([("d", "raise", "1", {})])  # the same kind again: counted, not printed in full
+            assert sum("Traceback" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        with caplog.at_level(logging.WARNING, logger="hybrid_rl"):
+            pool.close()
+    assert "by_text: ValueError x6" in caplog.text  # 5 + 1 repeats, said once at the end
+
+
+def test_a_timeout_is_said_with_the_function_and_the_setting_and_a_slow_wait_too(tmp_path, caplog):
+    pool = pool_for(tmp_path, ["sleeps"], timeout=1.0)
+    pool.slow_report_s = 0.4
+    try:
+        with caplog.at_level(logging.WARNING, logger="hybrid_rl"):
+            res = pool.score([("d", "30", "1", {}), ("d", "0", "1", {})])
+    finally:
+        pool.close()
+    assert [r.timed_out for r in res] == [True, False]
+    lines = [r.getMessage() for r in caplog.records]
+    timeouts = [m for m in lines if "timed out" in m]
+    assert len(timeouts) == 1 and "1 of 2 responses" in timeouts[0]
+    assert "reward.timeout_s=1 s" in timeouts[0] and "sleeps" in timeouts[0]
+    assert any("still scoring after" in m and "1 of 2 responses done" in m for m in lines), lines
+
+
+def test_numpy_scores_count_and_extras_that_cannot_be_logged_are_said(tmp_path, caplog):
+    """verl-style functions often return numpy numbers: they are numbers, not failures. An extra
+    that is not a finite number is left out of reward/<key>, and said once."""
+    pool = pool_for(tmp_path, ["np_score"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="hybrid_rl"):
+            res = pool.score([("d", "s", "1", {})] * 3)
+    finally:
+        pool.close()
+    assert [(r.score, r.failed) for r in res] == [(0.25, 0)] * 3 and res[0].extra == {"hits": 3.0}
+    notes = [r.getMessage() for r in caplog.records if "not logged as" in r.getMessage()]
+    assert sorted(n.split("returned ")[1].split(" =")[0] for n in notes) == ["'bad'", "'note'"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_workers", 0), ("timeout_s", 0.0), ("timeout_s", -1.0)])
+def test_reward_settings_pebble_would_quietly_change_are_refused(tmp_path, field, value):
+    """pebble takes timeout 0 as no timeout at all (a hung reward hangs the run), a negative one
+    times every response out, and num_workers=0 was raised to 1 without a word."""
+    f = tmp_path / "r.py"
+    f.write_text(BAD)
+    cfg = dict(num_workers=1, timeout_s=1.0, failure_score=0.0, max_failed_steps=1)
+    cfg[field] = value
+    fns = [SimpleNamespace(name="custom", weight=1.0, path=str(f), function="nan")]
+    with pytest.raises(ValueError, match=f"reward.{field}="):
+        RewardPool(SimpleNamespace(functions=fns, **cfg))
+
+
+def test_two_functions_of_one_name_keep_their_own_component(tmp_path, caplog):
+    f = tmp_path / "r.py"
+    f.write_text(BAD)
+    fns = [SimpleNamespace(name="custom", weight=1.0, path=str(f), function="as_dict"),
+           SimpleNamespace(name="custom", weight=1.0, path=str(f), function="as_dict")]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hybrid_rl"):
+        pool = RewardPool(SimpleNamespace(functions=fns, num_workers=1, timeout_s=5.0, failure_score=0.0, max_failed_steps=1))
+    try:
+        (r,) = pool.score([("d", "ab", "1", {})])
+    finally:
+        pool.close()
+    assert r.components == {"as_dict": 0.5, "as_dict_1": 0.5} and r.score == 1.0
+    assert "reward.functions[1] is reported as reward/as_dict_1" in caplog.text
