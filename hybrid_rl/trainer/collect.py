@@ -13,6 +13,7 @@ group drive one engine and must feed it identical requests: prompts are split ov
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ from hybrid_rl.dist import DistContext, all_gather_objects, all_reduce_sum, rais
 from hybrid_rl.faults import maybe_fail
 from hybrid_rl.hybrid.switch import HybridSwitch
 from hybrid_rl.rewards.ensemble import batch_moments, ensemble_reward, standardize
-from hybrid_rl.rewards.pool import RewardPool
+from hybrid_rl.rewards.pool import RewardFailure, RewardPool, ScoredResponse
 from hybrid_rl.rollout.agent import AgentLoop
 from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.sampler import sample_groups
@@ -58,6 +59,33 @@ def merge_round_metrics(rounds: list[dict[str, float]], sizes: list[int]) -> dic
     return out
 
 
+def extra_metrics(results: list[ScoredResponse], taken: dict[str, float], say: Callable[[Any, str], None]) -> dict[str, float]:
+    """``reward/<key>`` for each numeric extra the reward functions returned in their dict: the
+    mean over the step's responses (every round, every rank) that reported it. Ranks may hold
+    different keys (a key only some answers carry) and each must hand ``reduce_metrics`` the
+    same ones, so the sums and counts are gathered here and every rank logs the same global
+    mean. An extra named like one of the step's own reward metrics (``taken``, e.g. ``failed``)
+    is logged as ``reward/extra/<key>``; ``say(key, message)`` tells the user once."""
+    local: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r.extra.items():
+            acc = local.setdefault(k, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + v, acc[1] + 1
+    total: dict[str, list[float]] = {}
+    for part in all_gather_objects(local):
+        for k, (s, n) in part.items():
+            acc = total.setdefault(k, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + s, acc[1] + n
+    out = {}
+    for k, (s, n) in sorted(total.items()):
+        name = f"reward/{k}"
+        if name in taken:
+            name = f"reward/extra/{k}"
+            say(("metric", k), f"a reward function returns the extra {k!r}, which is also a metric of its own: logged as {name}")
+        out[name] = s / n
+    return out
+
+
 class RolloutCollector:
     """Turns the next prompts into this rank's scored samples for one step."""
 
@@ -73,6 +101,7 @@ class RolloutCollector:
         self.reward_pool: RewardPool = parts.reward_pool
         self.reward_models = list(parts.reward_models or [])
         self.step_idx = 0
+        self.scored: list[ScoredResponse] = []  # every training response the step scored, all rounds
 
     @property
     def response_budget(self) -> int:
@@ -165,7 +194,7 @@ class RolloutCollector:
             SamplingSpec(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_response_length),
             self.switch.engine_version,
         )
-        self.score(greedy)
+        self.score(greedy, training=False)
         per_prompt = len(rollout.samples) // len(prompts)
         for i, s in enumerate(rollout.samples):
             s.baseline_score = greedy.samples[i // per_prompt].score
@@ -176,7 +205,7 @@ class RolloutCollector:
         ``algorithm.filter_groups.enable`` keep drawing batches until enough informative groups
         are collected (DAPO dynamic sampling), then deal them out to ranks. ``step_idx`` is the
         number of finished steps (it keys the sampling seeds)."""
-        self.step_idx = step_idx
+        self.step_idx, self.scored = step_idx, []
         a = self.cfg.algorithm
         error, rollout = None, None
         m: dict[str, float] = {}
@@ -186,12 +215,25 @@ class RolloutCollector:
                 rollout = self.generate(self.next_prompts())
             with timer.phase("reward"):
                 m.update(self.score(rollout))
-        except Exception as e:  # RewardFailure too: every rank must learn of it, or the others hang
+        except Exception as e:  # every rank must learn of it, or the others hang
             error = e
         raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
-        if not a.filter_groups.enable:
-            return rollout, m
-        return self.fill_batch(rollout, m, timer)
+        if a.filter_groups.enable:
+            rollout, m = self.fill_batch(rollout, m, timer)
+        m.update(self.end_step(m))
+        return rollout, m
+
+    def end_step(self, m: dict[str, float]) -> dict[str, float]:
+        """After the step's last generation round, on every rank: the reward failure stop, which
+        counts steps (every round of the step together, not each DAPO round as a step of its
+        own), and the step's reward extras (:func:`extra_metrics`)."""
+        error = None
+        try:
+            self.reward_pool.check_failures(self.scored)
+        except RewardFailure as e:  # every rank must learn of it, or the others hang
+            error = e
+        raise_if_any_failed(error, f"rollout at step {self.step_idx + 1}")
+        return extra_metrics(self.scored, m, self.reward_pool.failures.once)
 
     def fill_batch(self, rollout: Rollout, m: dict[str, float], timer: PhaseTimer) -> tuple[Rollout, dict[str, float]]:
         """DAPO dynamic sampling: keep the groups whose answers differ, draw more prompts
@@ -238,7 +280,10 @@ class RolloutCollector:
         )
         return Rollout(mine, rollout.weights_version, rollout.stats), m
 
-    def score(self, rollout: Rollout) -> dict[str, float]:
+    def score(self, rollout: Rollout, training: bool = True) -> dict[str, float]:
+        """Score one generation round's samples and return its reward metrics. A ``training``
+        round's responses also count for the step (:meth:`end_step`); ReMax's greedy answers,
+        the baseline only, do not."""
         samples = rollout.samples
         # Only what the model wrote is scored: tool output must not answer for it.
         texts = self.tokenizer.batch_decode(
@@ -260,7 +305,8 @@ class RolloutCollector:
         learned, members, z = self.score_with_reward_models(samples)
         for s, r, p, lr in zip(samples, results, penalty.tolist(), learned.tolist(), strict=True):
             s.score, s.acc = r.score + p + lr, r.score
-        self.reward_pool.check_failures(results)
+        if training:
+            self.scored += results
         scores = torch.tensor([s.score for s in samples])
         groups = torch.tensor([s.group for s in samples])
         mixed = groups[informative_groups(scores, groups)]

@@ -34,8 +34,13 @@ def switch_metrics(report: SwitchReport) -> dict[str, float]:
 
 def reduce_metrics(m: dict[str, float]) -> dict[str, float]:
     """Mean over ranks, except token counts (summed), throughput (already global), memory peaks
-    and ``*/max`` (the largest rank's: the one that meets the limit first) and ``*/min`` (the smallest)."""
-    summed = {k for k in m if k.endswith("_tokens") or k in ("reward/failed", "reward/timeouts")}
+    and ``*/max`` (the largest rank's: the one that meets the limit first) and ``*/min`` (the smallest).
+    A reward function's extras (``reward/<key>``) arrive as the same global mean on every rank
+    (:func:`~hybrid_rl.trainer.collect.extra_metrics`), which the mean, max and min keep; they
+    are never summed, whatever their name (``reward/answer_tokens`` is a mean, not a count)."""
+    summed = {
+        k for k in m if (k.endswith("_tokens") and not k.startswith("reward/")) or k in ("reward/failed", "reward/timeouts")
+    }
     globals_ = {k for k in m if k.endswith(("tokens_per_s", "tflops_per_s")) or k.startswith("dapo/")}
     rest = [k for k in m if k not in summed and k not in globals_]
     peaks = sorted(k for k in rest if "peak_" in k or k.endswith("/max"))

@@ -189,7 +189,7 @@ def test_remax_greedy_baseline_is_each_prompts_greedy_reward():
     samples = [Sample([1] * k, [9], [0.0], [1], "stop", i) for i, k in enumerate((2, 2, 5, 5))]
     rollout = Rollout(samples, 0)
 
-    def score(r):
+    def score(r, training=True):
         for s in r.samples:
             s.score = float(s.response_ids[0])  # the greedy answer's token is the prompt length
 
