@@ -1,7 +1,7 @@
 """``actor.optimizer_impl=bf16_moments`` on the real stack (2 ranks, FSDP2, vLLM): the moments are
-bf16 DTensors sharded like their parameters, torch.distributed.checkpoint saves them as bf16, and a
-resumed run continues exactly (the rounding noise is seeded by the step, not by a generator's
-history)."""
+bf16 DTensors sharded like their parameters, torch.distributed.checkpoint saves them as bf16 (a
+resumed run's later checkpoints too), and a resumed run continues exactly (the rounding noise is
+seeded by the step, not by a generator's history)."""
 
 import json
 import subprocess
@@ -48,8 +48,10 @@ def test_bf16_moments_checkpoint_as_bf16_and_resume_exactly(tmp_path):
     for step in got:
         for key in COMPARED:
             assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
-    meta = FileSystemReader(str(tmp_path / "full" / "checkpoints" / "step_000003")).read_metadata().state_dict_metadata
-    moments = {k: m.properties.dtype for k, m in meta.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
-    weights = {k: m.properties.dtype for k, m in meta.items() if k.endswith("weight") and "exp_avg" not in k}
-    assert moments and {str(d) for d in moments.values()} == {"torch.bfloat16"}, moments
-    assert weights and {str(d) for d in weights.values()} == {"torch.float32"}
+    # the resumed run's own step 3 too: torch's optimizer load cast the moments to fp32 for good
+    for run_dir in ("full", "resumed"):
+        meta = FileSystemReader(str(tmp_path / run_dir / "checkpoints" / "step_000003")).read_metadata().state_dict_metadata
+        moments = {k: m.properties.dtype for k, m in meta.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+        weights = {k: m.properties.dtype for k, m in meta.items() if k.endswith("weight") and "exp_avg" not in k}
+        assert moments and {str(d) for d in moments.values()} == {"torch.bfloat16"}, (run_dir, moments)
+        assert weights and {str(d) for d in weights.values()} == {"torch.float32"}

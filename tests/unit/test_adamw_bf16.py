@@ -1,5 +1,7 @@
 """AdamW with bf16 moments (engine/adamw_bf16.py): the AdamW update, unbiased rounding, state size."""
 
+import io
+
 import torch
 
 from hybrid_rl.engine import adamw_bf16
@@ -74,3 +76,26 @@ def test_build_optimizer_picks_the_kernel_and_halves_the_state():
         return sum(t.numel() * t.element_size() for t in opt.state[p].values() if t.dim())
 
     assert state_bytes("bf16_moments") * 2 == state_bytes("fused") == 2 * 64 * 64 * 4
+
+
+def test_a_loaded_state_keeps_its_moments_in_bf16():
+    """torch's ``Optimizer.load_state_dict`` casts floating state to the parameter's dtype: every
+    resume turned the moments into fp32 (twice the memory, and fp32 in later checkpoints)."""
+    _, b, _, ours = _pair(shape=(64, 32))
+    for _ in range(3):
+        b.grad = torch.randn_like(b)
+        ours.step()
+    buf = io.BytesIO()
+    torch.save(ours.state_dict(), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)  # what a checkpoint holds, not the live tensors
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+    fresh = AdamWBf16Moments([b], lr=1e-2, weight_decay=0.1)
+    fresh.load_state_dict(saved)
+    got, want = fresh.state[b], ours.state[b]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert got[key].dtype == torch.bfloat16, (key, got[key].dtype)
+        assert torch.equal(got[key], want[key]), key
+    assert int(got["step"]) == 3
+    b.grad = torch.randn_like(b)
+    fresh.step()  # and it steps on from there, still bf16
+    assert fresh.state[b]["exp_avg"].dtype == fresh.state[b]["exp_avg_sq"].dtype == torch.bfloat16
