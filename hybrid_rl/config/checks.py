@@ -32,7 +32,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 def problems(cfg: Config, world_size: int = 1) -> list[str]:
     """Every cross-field problem of ``cfg`` for its ``trainer.task`` on ``world_size`` ranks."""
-    found = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward_model(cfg) + _lora(cfg)
+    found = _common(cfg) + _precision(cfg) + _agent(cfg) + _reward(cfg) + _reward_model(cfg) + _lora(cfg)
     task = cfg.trainer.task
     if task == "rl":
         found += _rl_algorithm(cfg) + _rl_sampling(cfg) + _rl_batching(cfg, world_size)
@@ -111,6 +111,16 @@ def _precision(cfg: Config) -> list[str]:
     return []
 
 
+def _reward(cfg: Config) -> list[str]:
+    r = cfg.reward
+    checks = [
+        (r.num_workers < 1, f"reward.num_workers={r.num_workers} must be >= 1"),
+        (not r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 (0 would mean no timeout: a hung reward hangs the run)"),
+        (r.max_failed_steps < 1, f"reward.max_failed_steps={r.max_failed_steps} must be >= 1"),
+    ]  # fmt: skip
+    return [msg for bad, msg in checks if bad]
+
+
 def _reward_model(cfg: Config) -> list[str]:
     rm = cfg.reward.reward_model
     reducers = registered().names("ensemble_reduce")
@@ -165,6 +175,10 @@ def _rl_algorithm(cfg: Config) -> list[str]:
          f"rollout.n={r.n} with algorithm.adv_estimator={a.adv_estimator}: a group baseline needs n >= 2"
          " (with one sample per prompt every advantage is 0)"),
         ("critic" in needs and not cfg.critic.enable, f"algorithm.adv_estimator={a.adv_estimator} needs a critic: set critic.enable=true"),
+        ("critic" not in needs and cfg.critic.enable,
+         f"critic.enable=true with algorithm.adv_estimator={a.adv_estimator}, which reads no values: a second model would be "
+         "trained and its values thrown away (and critic.warmup_steps would hold the actor back); set critic.enable=false "
+         "or algorithm.adv_estimator=gae"),
         (not 0 < a.clip_ratio_low < 1 or a.clip_ratio_high <= 0,
          "algorithm.clip_ratio_low must be in (0, 1) and algorithm.clip_ratio_high > 0"),
         (a.clip_ratio_c is not None and a.clip_ratio_c <= 1, f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (or null)"),
@@ -193,6 +207,12 @@ def _rl_sampling(cfg: Config) -> list[str]:
         (not 0 < r.top_p <= 1 or r.top_k == 0 or r.top_k < -1,
          f"rollout.top_p={r.top_p} must be in (0, 1] and rollout.top_k={r.top_k} -1 (off) or >= 1"),
         (r.max_response_length < 1, f"rollout.max_response_length={r.max_response_length} must be >= 1"),
+        (r.sleep_level not in (1, 2),
+         f"rollout.sleep_level={r.sleep_level} must be 1 (free the KV cache, keep the weights) or 2 (free both)"),
+        # Level 2 discards the base weights too; a LoRA push sends only the adapters back.
+        (r.sleep_level == 2 and cfg.actor.lora.rank > 0,
+         f"rollout.sleep_level=2 with actor.lora.rank={cfg.actor.lora.rank}: level 2 discards the engine's base weights and a "
+         "LoRA sync sends only the adapters, so rollouts would run on a wiped base; use sleep_level=1"),
     ]  # fmt: skip
     return [msg for bad, msg in checks if bad]
 

@@ -157,7 +157,8 @@ class RewardConfig:
     timeout_s: float = 10.0
     # Score given when a reward function raises, times out or returns a non-number.
     failure_score: float = 0.0
-    # Stop the run if every sample of this many consecutive steps failed to score.
+    # Stop the run if every response of this many consecutive steps (all of a step's generation
+    # rounds) failed to score.
     max_failed_steps: int = 3
 
 

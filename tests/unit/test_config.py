@@ -186,6 +186,13 @@ def test_unknown_recipe_lists_available():
         (["critic.loss_agg_mode=mean"], 1, "critic.loss_agg_mode"),
         (["reward.reward_model.ensemble=[/a]"], 1, "reward.reward_model.ensemble needs reward.reward_model.path"),
         (["+recipe=rlhf_ppo", "reward.reward_model.ensemble_reduce=max"], 1, "reward.reward_model.ensemble_reduce='max'"),
+        # settings that would be silently moot: a critic nobody reads, a sleep level vLLM treats as "pause",
+        # LoRA over a base that sleep level 2 wipes, a reward pool that can never time out
+        (["critic.enable=true"], 1, "critic.enable=true with algorithm.adv_estimator=grpo, which reads no values"),
+        (["rollout.sleep_level=0"], 1, "rollout.sleep_level=0 must be 1"),
+        (["rollout.sleep_level=2", "actor.lora.rank=8"], 1, "rollout.sleep_level=2 with actor.lora.rank=8"),
+        (["reward.timeout_s=0"], 1, "reward.timeout_s=0.0 must be > 0"),
+        (["reward.num_workers=0"], 1, "reward.num_workers=0 must be >= 1"),
     ],
 )
 def test_contradictory_settings_are_named(overrides, world, needle):
