@@ -22,11 +22,16 @@ from hybrid_rl.env import setup_process_env
 
 log = logging.getLogger("hybrid_rl")
 register_configs()
+# What the launching process has to say before Hydra has opened main.log (the changed settings a
+# resume goes on with): said by main() once it has, so the lines reach the console and main.log
+# like every other.
+STARTUP_LINES: list[str] = []
 
 
-def preflight_or_exit(argv: list[str]) -> None:
+def preflight_or_exit(argv: list[str]) -> DictConfig | None:
     """Compose the command line's config and run every check of its task before anything starts
-    (:mod:`hybrid_rl.config.preflight`): each problem named, one line, exit 2.
+    (:mod:`hybrid_rl.config.preflight`): each problem named, one line, exit 2. Returns the
+    composed config when Hydra will run the job (not for ``--help``, ``--cfg``, ``--info``...).
 
     Runs in the launching process; ranks started by our launcher skip it (it ran there), ranks of
     an external torchrun (Slurm, multi-node) run it themselves, as cheaply."""
@@ -41,9 +46,9 @@ def preflight_or_exit(argv: list[str]) -> None:
     try:
         args = get_args_parser().parse_intermixed_args(argv)
     except SystemExit:
-        return
+        return None
     if args.help or args.hydra_help or args.shell_completion or args.multirun:
-        return
+        return None
     overrides = [a for a in args.overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     name = args.config_name or "config"
     notes: list[str] = []
@@ -55,11 +60,19 @@ def preflight_or_exit(argv: list[str]) -> None:
             problems = preflight(cfg, world, required, notes)
     except Exception as e:
         problems = [one_line_error(e)]
-    if notes and not problems:
-        print(f"resuming with changed settings: {'; '.join(notes)}", file=sys.stderr, flush=True)
     if problems:
         print(f"config error: {'; '.join(problems)}", file=sys.stderr)
         sys.exit(2)
+    if notes:
+        STARTUP_LINES.append(f"resuming with changed settings: {'; '.join(notes)}")
+    return None if args.cfg or args.info or args.experimental_rerun else cfg
+
+
+def say_startup_lines() -> None:
+    """:data:`STARTUP_LINES`, once Hydra's logging (console and main.log) is set up."""
+    for line in STARTUP_LINES:
+        log.warning(line)
+    STARTUP_LINES.clear()
 
 
 def relaunch_with_ranks(nproc: int, shutdown_grace_s: float, preload: list[str] | None = None) -> None:
@@ -115,6 +128,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    say_startup_lines()
     if cfg.trainer.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         from hybrid_rl.env import preload_libraries
         from hybrid_rl.errors import ConfigError

@@ -8,7 +8,7 @@ the run's resolved config. Before anything starts, :func:`resume_problems` finds
   refused: its tensors would not fit, or would silently continue a different model's optimizer;
 - settings whose checkpointed state would override the new value (the optimizer and its LR
   schedule), or that change what the checkpoint holds (a critic) or where the data position points
-  (files, batch size, order) are refused, with the reason;
+  (files, which rows are kept and how they read, batch size, order) are refused, with the reason;
 - any other change is printed and the run goes on (steps, validation, sampling, loss settings...).
 
 ``trainer.resume``: ``auto`` (the newest checkpoint of ``output_dir``, if any), ``never`` (start
@@ -46,6 +46,26 @@ REFUSED = {
     "data.train_batch_size": "the data position in the checkpoint counts batches of the old size",
     "data.shuffle": "the data position in the checkpoint refers to the old order",
     "data.seed": "the data position in the checkpoint refers to the old order",
+    # What decides which rows are kept (too-long prompts are skipped) and what a kept row reads:
+    # another value would index other prompts from the same data position.
+    "data.max_prompt_length": "it decides which prompts are kept, so the data position in the checkpoint would index other rows",
+    "data.truncation": "it decides which prompts are kept, so the data position in the checkpoint would index other rows",
+    "data.system_prompt": "prompts are rendered with it (and their length decides which are kept): the data position in the checkpoint refers to the old prompts",
+    "data.prompt_key": "the prompts come from another column: the data position in the checkpoint refers to the old prompts",
+    "rollout.agent.enable": "the tools' descriptions are part of every prompt (and its length decides which are kept): the data position in the checkpoint refers to the old prompts",
+    "rollout.agent.tool_config": "the tools' descriptions are part of every prompt (and its length decides which are kept): the data position in the checkpoint refers to the old prompts",
+    # The generated task's training split (refused only when it is what the run trains on).
+    "data.synth.n_train": "the generated training split changes, so the data position in the checkpoint would index other problems",
+    "data.synth.seed": "the generated training split changes, so the data position in the checkpoint would index other problems",
+    "data.synth.levels": "the generated training split changes, so the data position in the checkpoint would index other problems",
+    "data.synth.heldout_fraction": "the generated training split changes, so the data position in the checkpoint would index other problems",
+}
+# Prefixes of REFUSED keys that matter only when the checkpoint's run trained on the generated task.
+SYNTH_KEYS = "data.synth."
+# Parts of a model's identity that are not the model: compared only when the checkpoint has them.
+PROMPT_IDENTITY = {
+    "chat_template_sha256": "the model's chat template changed: prompts render to other tokens and the data position in the "
+    "checkpoint would index other rows",
 }
 # Keys that differ between runs without changing what is trained (never reported).
 IGNORED = ("trainer.resume", "trainer.output_dir", "trainer.run_name", "logger.", "trainer.nproc_per_node", "trainer.profile_steps")
@@ -97,7 +117,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def model_identity(model_cfg: ModelSettings) -> dict[str, str]:
     """The model a run trains: a builtin by its preset (and warm-start recipe), a local folder by
-    its absolute path and a hash of its ``config.json`` (architecture, sizes, vocabulary)."""
+    its absolute path, a hash of its ``config.json`` (architecture, sizes, vocabulary) and one of
+    its chat template (what every prompt is rendered with)."""
     path = str(model_cfg.path)
     if path.startswith("builtin:"):
         ident = {"path": path, "preset": str(model_cfg.preset)}
@@ -106,7 +127,21 @@ def model_identity(model_cfg: ModelSettings) -> dict[str, str]:
         return ident
     config = Path(path) / "config.json"
     digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else "missing"
-    return {"path": str(Path(path).resolve()), "config_sha256": digest}
+    return {"path": str(Path(path).resolve()), "config_sha256": digest, "chat_template_sha256": chat_template_digest(Path(path))}
+
+
+def chat_template_digest(folder: Path) -> str:
+    """A hash of the chat template(s) a model folder's tokenizer renders prompts with: the
+    ``chat_template.jinja`` / ``chat_template.json`` files and ``tokenizer_config.json``'s
+    ``chat_template`` ("missing" when there is none)."""
+    parts = [(folder / name).read_bytes() for name in ("chat_template.jinja", "chat_template.json") if (folder / name).is_file()]
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):  # no (readable) tokenizer_config.json: preflight says so
+        template = None
+    if template:
+        parts.append(json.dumps(template, sort_keys=True).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16] if parts else "missing"
 
 
 def checkpoint_to_resume(cfg: RunSettings) -> Path | None:
@@ -152,18 +187,40 @@ def resume_problems(cfg: RunSettings, resolved: dict) -> tuple[list[str], list[s
     if made_from is None:  # written before checkpoints recorded their model: nothing to compare
         return [], [f"{where} does not record its model or settings; resuming without checking them"]
     here = model_identity(cfg.model)
-    if made_from != here:
+    saved_model, this_model = _split_identity(made_from), _split_identity(here)
+    if saved_model != this_model:
         return [
-            f"{where} was made from model {_show(made_from)}, this run uses {_show(here)}: resume it with that model, "
+            f"{where} was made from model {_show(saved_model)}, this run uses {_show(this_model)}: resume it with that model, "
             "or start over with trainer.resume=never (or another trainer.run_name)"
         ], []
-    changes = config_changes(manifest.get("config", {}), resolved)
-    # A key the checkpoint's config lacks came with a later version at its default: not a change to refuse.
-    refused = [f"{k}: {old!r} -> {new!r} ({REFUSED[k]})" for k, (old, new) in changes.items() if k in REFUSED and old is not None]
+    saved = manifest.get("config", {})
+    changes = config_changes(saved, resolved)
+    refused = refused_changes(changes, saved) + [
+        f"{k}: {made_from[k]!r} -> {here.get(k)!r} ({reason})"
+        for k, reason in PROMPT_IDENTITY.items()
+        if k in made_from and made_from[k] != here.get(k)  # absent: the checkpoint predates the key
+    ]
     if refused:
         return [f"cannot resume {where} with changed settings: " + "; ".join(refused)
                 + ". Start over with trainer.resume=never (or another trainer.run_name)"], []  # fmt: skip
     return [], [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()]
+
+
+def refused_changes(changes: dict[str, tuple[Any, Any]], saved: dict) -> list[str]:
+    """``key: old -> new (why)`` for each change in ``changes`` a resume cannot honour
+    (:data:`REFUSED`); ``saved`` is the checkpoint's config."""
+    synth = "builtin:synth_math" in ((saved.get("data") or {}).get("train_files") or [])
+    return [
+        f"{k}: {old!r} -> {new!r} ({REFUSED[k]})"
+        for k, (old, new) in changes.items()
+        # A key the checkpoint's config lacks came with a later version at its default: not a change to refuse.
+        if k in REFUSED and old is not None and (synth or not k.startswith(SYNTH_KEYS))
+    ]
+
+
+def _split_identity(ident: dict) -> dict:
+    """The model part of an identity (without what only changes how prompts render)."""
+    return {k: v for k, v in ident.items() if k not in PROMPT_IDENTITY}
 
 
 def _show(ident: dict) -> str:

@@ -19,6 +19,10 @@ def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
 
 
+def steps_logged(out: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def refused_line(p: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr[-3000:]
@@ -42,12 +46,13 @@ def test_resume_refuses_another_model_and_ignored_settings_and_reports_the_rest(
     line = refused_line(run(tmp_path, "trainer.total_steps=3", "data.train_size=512"))
     assert "data.train_size: 1024 -> 512 (the data position in the checkpoint refers to the old rows)" in line
 
-    # a safe change: printed, and the run continues from step 2
+    # a safe change: said on the console and in main.log (it was stderr only), and the run
+    # continues from step 2
     go = run(tmp_path, "trainer.total_steps=3", "rollout.temperature=0.9")
     assert go.returncode == 0, go.stderr[-4000:]
-    assert "resuming with changed settings: rollout.temperature: 1.0 -> 0.9; trainer.total_steps: 2 -> 3" in go.stderr
-    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    changed = "resuming with changed settings: rollout.temperature: 1.0 -> 0.9; trainer.total_steps: 2 -> 3"
+    assert changed in go.stdout + go.stderr and changed in (tmp_path / "main.log").read_text()
+    assert steps_logged(tmp_path) == [1, 2, 3]
 
     # must: fails where there is no checkpoint
     line = refused_line(run(tmp_path / "fresh", "trainer.resume=must"))

@@ -74,3 +74,148 @@ def test_a_kill_while_a_checkpoint_is_removed_leaves_the_newest_whole(tmp_path, 
     assert all(load_checkpoint(p, {"app": {"w": torch.zeros(4)}}, rank=0) for p in list_checkpoints(root))
     _save(root, 4, 4.0)  # the next save clears what the kill left behind (keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == [f"step_{s:06d}" for s in ((2, 4) if how != "pruned" else (3, 4))]
+
+
+# ---------------------------------------------------------------- settings a resume refuses
+
+
+def _checkpoint_of(cfg, root: Path, saved: dict, model: dict | None = None) -> None:
+    """A finished (empty) checkpoint under ``root/checkpoints`` whose manifest records ``saved``."""
+    from hybrid_rl.resume import model_identity
+
+    ckpt_dir = root / "checkpoints" / "step_000002"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {"step": 2, "files": [], "model": model or model_identity(cfg.model), "config": saved}
+    (ckpt_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _grpo(tmp_path):
+    from hybrid_rl.config import register_configs
+    from hybrid_rl.config.compose import compose_recipe
+
+    register_configs()
+    cfg = compose_recipe("grpo_math", "tiny")
+    cfg.trainer.output_dir = str(tmp_path)
+    return cfg
+
+
+def _resolved(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+# Each changes which training rows are kept or what a kept row reads, so the checkpoint's data
+# position (an index into the kept rows) would point at other prompts: 1.7% of an epoch's prompts
+# were drawn twice after resuming with another data.max_prompt_length.
+ROW_SETTINGS = [
+    ("data.max_prompt_length", 96),
+    ("data.truncation", "left"),
+    ("data.system_prompt", "Answer briefly."),
+    ("data.prompt_key", "question"),
+    ("data.synth.n_train", 5000),
+    ("data.synth.seed", 1),
+    ("data.synth.levels", [1, 2]),
+    ("data.synth.heldout_fraction", 0.3),
+    ("rollout.agent.enable", True),
+    ("rollout.agent.tool_config", "conf/tools/other.yaml"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), ROW_SETTINGS, ids=[k for k, _ in ROW_SETTINGS])
+def test_resume_refuses_a_setting_that_changes_the_kept_rows(tmp_path, key, value):
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.resume import resume_problems
+
+    cfg = _grpo(tmp_path)
+    saved = OmegaConf.create(_resolved(cfg))
+    now = OmegaConf.to_container(saved)
+    OmegaConf.update(saved, key, value)
+    _checkpoint_of(cfg, tmp_path, OmegaConf.to_container(saved))
+    problems, notes = resume_problems(cfg, _resolved(cfg))
+    assert len(problems) == 1 and not notes, (problems, notes)
+    assert f"{key}: {value!r} -> {OmegaConf.select(OmegaConf.create(now), key)!r} (" in problems[0]
+    assert "trainer.resume=never" in problems[0]
+
+
+@pytest.mark.parametrize("key", ["data.synth.n_val", "data.synth.n_val_seen", "data.synth.direct_share", "data.answer_key"])
+def test_resume_reports_a_data_setting_that_keeps_the_training_rows(tmp_path, key):
+    """The validation splits' sizes, the SFT-only direct share and the ground-truth column leave
+    the kept training prompts and their order alone: printed, and the run goes on."""
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.resume import resume_problems
+
+    cfg = _grpo(tmp_path)
+    saved = OmegaConf.create(_resolved(cfg))
+    OmegaConf.update(saved, key, {"data.answer_key": "answer"}.get(key, 0.5 if key.endswith("share") else 7))
+    _checkpoint_of(cfg, tmp_path, OmegaConf.to_container(saved))
+    problems, notes = resume_problems(cfg, _resolved(cfg))
+    assert not problems and [n for n in notes if n.startswith(f"{key}: ")], (problems, notes)
+
+
+def test_the_generated_task_settings_are_refused_only_when_it_is_trained_on(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.resume import resume_problems
+
+    cfg = _grpo(tmp_path)
+    own = tmp_path / "train.parquet"
+    cfg.data.train_files = [str(own)]
+    saved = _resolved(cfg)
+    saved["data"]["synth"]["seed"] = 3
+    _checkpoint_of(cfg, tmp_path, saved)
+    problems, notes = resume_problems(cfg, _resolved(cfg))
+    assert not problems and "data.synth.seed: 3 -> 0" in notes, (problems, notes)
+    assert OmegaConf.select(cfg, "data.val_files") == ["builtin:synth_math"]
+
+
+def test_resume_refuses_another_chat_template_of_a_local_model(tmp_path):
+    """The chat template lives in the tokenizer's files, not in config.json: a changed one renders
+    every prompt to other tokens (and lengths, hence other kept rows). A checkpoint written before
+    its hash was recorded still resumes."""
+    from hybrid_rl.resume import model_identity, resume_problems
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    cfg = _grpo(tmp_path / "run")
+    cfg.model.path = str(model)
+    made_from = model_identity(cfg.model)
+    _checkpoint_of(cfg, tmp_path / "run", _resolved(cfg), made_from)
+    assert resume_problems(cfg, _resolved(cfg)) == ([], [])
+
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    problems, _ = resume_problems(cfg, _resolved(cfg))
+    assert len(problems) == 1 and "chat_template_sha256: " in problems[0] and "chat template changed" in problems[0], problems
+
+    older = {k: v for k, v in made_from.items() if k != "chat_template_sha256"}
+    _checkpoint_of(cfg, tmp_path / "run", _resolved(cfg), older)
+    assert resume_problems(cfg, _resolved(cfg)) == ([], [])
+
+
+def test_the_changed_settings_a_resume_goes_on_with_reach_main_log(tmp_path):
+    """They were printed to stderr before Hydra had opened main.log, so the run's log never said
+    that it went on with other settings. Now main() says them through the logger, whose handlers
+    Hydra points at the console and main.log."""
+    import logging
+
+    from hybrid_rl import main
+
+    cfg = _grpo(tmp_path)
+    saved = _resolved(cfg)
+    saved["rollout"]["temperature"] = 0.9
+    _checkpoint_of(cfg, tmp_path, saved)
+    main.STARTUP_LINES.clear()
+    composed = main.preflight_or_exit(["+recipe=grpo_math", "model.preset=tiny", f"trainer.output_dir={tmp_path}"])
+    assert composed is not None and composed.trainer.output_dir == str(tmp_path)
+    handler = logging.FileHandler(tmp_path / "main.log")  # what Hydra's job logging adds to the root logger
+    logging.getLogger().addHandler(handler)
+    try:
+        main.say_startup_lines()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert "resuming with changed settings: rollout.temperature: 0.9 -> 1.0\n" in (tmp_path / "main.log").read_text()
