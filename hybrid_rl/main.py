@@ -23,8 +23,8 @@ from hybrid_rl.env import setup_process_env
 log = logging.getLogger("hybrid_rl")
 register_configs()
 # What the launching process has to say before Hydra has opened main.log (the changed settings a
-# resume goes on with): said by main() once it has, so the lines reach the console and main.log
-# like every other.
+# resume goes on with, where an earlier run's files went): said by main() once it has, so the
+# lines reach the console and main.log like every other.
 STARTUP_LINES: list[str] = []
 
 
@@ -66,6 +66,29 @@ def preflight_or_exit(argv: list[str]) -> DictConfig | None:
     if notes:
         STARTUP_LINES.append(f"resuming with changed settings: {'; '.join(notes)}")
     return None if args.cfg or args.info or args.experimental_rerun else cfg
+
+
+def start_clean_or_exit(cfg: DictConfig | None) -> None:
+    """A run of ``cfg`` that starts from step 0 (``trainer.resume=never``, or ``auto`` without a
+    finished checkpoint) where an earlier run left its files moves them to
+    ``<output_dir>/previous/<time>/`` first (:func:`hybrid_rl.resume.set_aside_earlier_run`), so the
+    two runs' steps and checkpoints never mix.
+
+    The launching process does it before Hydra opens main.log there and before any rank exists,
+    so no rank waits on it; an external torchrun's ranks leave it to rank 0's
+    :class:`~hybrid_rl.trainer.run_control.RunControl`. A folder it cannot move: one line, exit 2."""
+    from hybrid_rl.resume import checkpoint_to_resume, set_aside_earlier_run
+
+    if cfg is None or cfg.trainer.task != "rl" or checkpoint_to_resume(cfg) is not None:
+        return
+    try:
+        line = set_aside_earlier_run(str(cfg.trainer.resume), cfg.trainer.output_dir)
+    except OSError as e:
+        where = f"trainer.output_dir={cfg.trainer.output_dir}"
+        print(f"config error: {where}: cannot move the earlier run's files aside: {e}", file=sys.stderr)
+        sys.exit(2)
+    if line:
+        STARTUP_LINES.append(line)
 
 
 def say_startup_lines() -> None:
@@ -144,5 +167,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     if "HYBRID_RL_LAUNCHER_PID" not in os.environ:
-        preflight_or_exit(sys.argv[1:])
+        composed = preflight_or_exit(sys.argv[1:])
+        if "RANK" not in os.environ:  # not a rank of an external torchrun (see start_clean_or_exit)
+            start_clean_or_exit(composed)
     main()

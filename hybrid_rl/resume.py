@@ -13,12 +13,19 @@ the run's resolved config. Before anything starts, :func:`resume_problems` finds
 
 ``trainer.resume``: ``auto`` (the newest checkpoint of ``output_dir``, if any), ``never`` (start
 over; ``none`` is the same), ``must`` (fail if there is none) or a checkpoint directory.
+
+A run that starts from step 0 in an ``output_dir`` holding an earlier run's results first moves
+them to ``<output_dir>/previous/<time>/`` (:func:`set_aside_earlier_run`): otherwise its metrics
+would follow the old ones in ``metrics.jsonl`` and a later ``resume=auto`` could pick the old
+run's newer checkpoint over its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -225,3 +232,45 @@ def _split_identity(ident: dict) -> dict:
 
 def _show(ident: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in ident.items())
+
+
+# What a run writes into its output_dir, Hydra's main.log and .hydra/ included: moved aside
+# together when a run starts over there (a user's own files there stay). RESULTS show that a run
+# got going (a main.log alone is a run that failed to start). Checkpoints first: a move cut short
+# then leaves no checkpoint that a later resume could pick beside the moved metrics, and the next
+# start from step 0 moves the rest.
+RESULTS = ("checkpoints", "metrics.jsonl", "generations", "tensorboard", "profile", "hf", "wandb")
+RUN_FILES = (*RESULTS, "slurm_jobs.txt", "main.log", ".hydra")
+
+
+def earlier_results(out_dir: str | Path) -> list[str]:
+    """The names of an earlier run's results in ``out_dir`` (:data:`RESULTS`), [] when none."""
+    out = Path(out_dir)
+    return [n for n in RESULTS if (out / n).is_file() or ((out / n).is_dir() and any((out / n).iterdir()))]
+
+
+def set_aside_earlier_run(mode: str, out_dir: str | Path, keep: tuple[str, ...] = ()) -> str | None:
+    """Before a run starts from step 0 in ``out_dir``: move an earlier run's files there
+    (:data:`RUN_FILES` less ``keep``, what this run wrote already) to ``out_dir/previous/<time>/``
+    and return the line that says so (None when there was no earlier run).
+
+    Without it the new run's rows would follow the old run's in ``metrics.jsonl`` (each step
+    twice), and the old run's newer checkpoint would stay beside the new run's: a later
+    ``trainer.resume=auto`` resumed the discarded run and pruned the new one. One process only
+    (the launching process, or rank 0 while the other ranks wait)."""
+    out = Path(out_dir)
+    found = earlier_results(out)
+    if not found:
+        return None
+    newest = latest_checkpoint(out / "checkpoints")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = out / "previous" / stamp, 1
+    while dest.exists():
+        dest, n = out / "previous" / f"{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
+    for name in RUN_FILES:
+        if name not in keep and os.path.lexists(out / name):
+            os.replace(out / name, dest / name)
+    what = ", ".join(f"checkpoints up to {newest.name}" if name == "checkpoints" and newest else name for name in found)
+    why = "starting over" if mode in ("never", "none") else f"no finished checkpoint in {out / 'checkpoints'}, starting over"
+    return f"trainer.resume={mode}: {why}; the earlier run's files in {out} ({what}) were moved to {dest}"

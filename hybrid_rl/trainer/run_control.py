@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybrid_rl.dist import DistContext, all_reduce_max
+from hybrid_rl.dist import DistContext, all_reduce_max, barrier
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import maybe_fail
+from hybrid_rl.resume import set_aside_earlier_run
 from hybrid_rl.trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:  # annotations only
@@ -32,6 +33,20 @@ class RunControl:
         self.stop_requested = False
         self.last_save = time.monotonic()
         self.saved_step: int | None = None  # the step the newest checkpoint holds
+        if self.resume_point() is None:
+            self.start_clean()
+
+    def start_clean(self) -> None:
+        """A run from step 0 moves an earlier run's files in ``out_dir`` aside before it writes
+        anything (:func:`hybrid_rl.resume.set_aside_earlier_run`). The launching process has done
+        so already, unless the ranks came from an external torchrun: then rank 0 moves them
+        (leaving this run's main.log and .hydra/, which Hydra opened already) while the other
+        ranks wait, so none reads a checkpoint or writes a file mid-move. Collective."""
+        if self.ctx.is_main:
+            line = set_aside_earlier_run(str(self.cfg.resume), self.out_dir, keep=("main.log", ".hydra"))
+            if line:
+                log.warning(line)
+        barrier()
 
     def app_states(self) -> dict[str, ckpt.AppState]:
         states = {"app": ckpt.AppState(self.actor)}

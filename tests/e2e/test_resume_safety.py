@@ -57,3 +57,30 @@ def test_resume_refuses_another_model_and_ignored_settings_and_reports_the_rest(
     # must: fails where there is no checkpoint
     line = refused_line(run(tmp_path / "fresh", "trainer.resume=must"))
     assert "trainer.resume=must: no checkpoint in" in line
+
+
+def test_starting_over_moves_the_earlier_run_aside_and_resuming_continues_the_new_one(tmp_path):
+    """Run A to step 3, B with trainer.resume=never to step 2, C again with resume=auto. B used
+    to write into A's folder without a word: A's step_000003 stayed beside B's step_000002, C
+    resumed the discarded A at step 3 and pruned B's step, and metrics.jsonl read steps
+    1,2,3,1,2,4. Now B moves A's files (main.log too) to previous/<time>/ first and says where."""
+    a = run(tmp_path, "trainer.total_steps=3", "trainer.save_every=1")
+    assert a.returncode == 0, a.stderr[-4000:]
+    b = run(tmp_path, "trainer.resume=never")
+    assert b.returncode == 0, b.stderr[-4000:]
+    (old,) = (tmp_path / "previous").iterdir()
+    moved = (
+        f"trainer.resume=never: starting over; the earlier run's files in {tmp_path} (checkpoints up to step_000003, "
+        f"metrics.jsonl, generations, tensorboard) were moved to {old}"
+    )
+    main_log = (tmp_path / "main.log").read_text()
+    assert moved in b.stdout and moved in main_log.splitlines()[0], b.stdout[-3000:]
+    assert "resumed from" not in main_log and steps_logged(tmp_path) == [1, 2]
+    assert steps_logged(old) == [1, 2, 3]
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert "resumed from" not in (old / "main.log").read_text()  # A's own log went with it
+
+    c = run(tmp_path, "trainer.total_steps=3")
+    assert c.returncode == 0, c.stderr[-4000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_000002'} at step 2" in c.stdout + c.stderr
+    assert steps_logged(tmp_path) == [1, 2, 3]

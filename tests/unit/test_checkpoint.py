@@ -196,6 +196,143 @@ def test_resume_refuses_another_chat_template_of_a_local_model(tmp_path):
     assert resume_problems(cfg, _resolved(cfg)) == ([], [])
 
 
+# ---------------------------------------------------------------- a run that starts over
+
+
+class FakeEngine:
+    """What RunControl checkpoints of an engine: one weight tensor (and an optimizer entry)."""
+
+    def __init__(self, value: float) -> None:
+        self.w = torch.full((4,), value)
+
+    def params_finite(self) -> bool:
+        return True
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        return {"w": self.w}, {"lr": torch.tensor(1.0)}
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        self.w.copy_(model_sd["w"])
+
+
+def fake_run(out: Path, resume: str, steps: int, run: float, ctx=None) -> dict | None:
+    """What RLTrainer does with its run folder, in its order: RunControl, the metrics file, the
+    resume (rows of later steps dropped), then per step a metrics row and a checkpoint. Returns
+    the run state it resumed from."""
+    from types import SimpleNamespace
+
+    from hybrid_rl.dist import DistContext
+    from hybrid_rl.trainer.logger import MetricsLogger
+    from hybrid_rl.trainer.run_control import RunControl
+
+    trainer = SimpleNamespace(resume=resume, keep_last=2, save_every=1, save_every_minutes=0)
+    control = RunControl(trainer, ctx or DistContext(0, 1, 0, torch.device("cpu")), out, FakeEngine(run), None)
+    logger = MetricsLogger(SimpleNamespace(backends=["jsonl"], progress_bar=False, project="p"), out, {}, steps, True)
+    state, step = None, 0
+    if (path := control.resume_point()) is not None:
+        state = control.load(path)
+        step = int(state["step"])
+        logger.truncate_after(step)
+    while step < steps:
+        step += 1
+        logger.log(step, {"run": run})
+        control.save(step, {"step": step, "run": run})
+    logger.close()
+    return state
+
+
+def rows(path: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["run"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_a_fresh_start_moves_the_earlier_run_aside_and_a_later_resume_continues_it(tmp_path):
+    """Run A to step 3, then B with trainer.resume=never to step 2, then C with resume=auto.
+    B used to write into A's folder: A's step 3 stayed beside B's step 2, C resumed the discarded
+    A at step 3 and pruned B's step 2, and metrics.jsonl read steps 1,2,3,1,2,4. Now B moves A's
+    files to previous/<time>/ before it writes, C resumes B's step 2, and each step appears once."""
+    out = tmp_path / "run"
+    fake_run(out, "auto", 3, run=1.0)
+    fake_run(out, "never", 2, run=2.0)
+    state = fake_run(out, "auto", 4, run=3.0)
+    assert (state["step"], state["run"]) == (2, 2.0)  # B's newest checkpoint, not A's step 3
+    assert rows(out / "metrics.jsonl") == [(1, 2.0), (2, 2.0), (3, 3.0), (4, 3.0)]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_000003", "step_000004"]
+    (old,) = (out / "previous").iterdir()
+    assert rows(old / "metrics.jsonl") == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert [p.name for p in list_checkpoints(old / "checkpoints")] == ["step_000002", "step_000003"]
+    state = {"app": {"model": {"w": torch.zeros(4)}, "optim": {}}}
+    assert load_checkpoint(old / "checkpoints" / "step_000003", state, 0)["run"] == 1.0
+
+
+def test_resume_auto_without_a_finished_checkpoint_starts_over_in_a_clean_folder(tmp_path):
+    """A run killed before its first checkpoint (save_every_minutes=10 by default) left metrics
+    rows; the re-run starts from step 0 and must not append its steps after them."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "run": 1.0}) + "\n")
+    (out / "checkpoints" / ".step_000002.tmp").mkdir(parents=True)
+    assert fake_run(out, "auto", 2, run=2.0) is None
+    assert rows(out / "metrics.jsonl") == [(1, 2.0), (2, 2.0)]
+    (old,) = (out / "previous").iterdir()
+    assert rows(old / "metrics.jsonl") == [(1, 1.0)] and (old / "checkpoints" / ".step_000002.tmp").is_dir()
+
+
+def test_only_rank_0_moves_the_earlier_run_and_every_rank_waits_for_it(tmp_path, monkeypatch, caplog):
+    """An external torchrun's ranks: rank 0 moves (leaving this run's main.log and .hydra/,
+    which Hydra opened already) and says so; every rank passes the barrier before it reads the
+    folder, so none resumes or writes mid-move."""
+    from types import SimpleNamespace
+
+    from hybrid_rl.dist import DistContext
+    from hybrid_rl.trainer import run_control
+
+    out = tmp_path / "run"
+    fake_run(out, "auto", 1, run=1.0)
+    (out / "main.log").write_text("this run\n")
+    (out / ".hydra").mkdir()
+    (out / "notes.txt").write_text("the user's own file\n")
+    waited = []
+    monkeypatch.setattr(run_control, "barrier", lambda: waited.append(sorted(p.name for p in out.iterdir())))
+    trainer = SimpleNamespace(resume="never", keep_last=2, save_every=1, save_every_minutes=0)
+    run_control.RunControl(trainer, DistContext(1, 2, 1, torch.device("cpu")), out, FakeEngine(0.0), None)
+    assert waited == [[".hydra", "checkpoints", "main.log", "metrics.jsonl", "notes.txt"]]  # rank 1 moved nothing
+    with caplog.at_level("WARNING", logger="hybrid_rl"):
+        run_control.RunControl(trainer, DistContext(0, 2, 0, torch.device("cpu")), out, FakeEngine(0.0), None)
+    assert waited[1] == [".hydra", "main.log", "notes.txt", "previous"]
+    (old,) = (out / "previous").iterdir()
+    assert sorted(p.name for p in old.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    (line,) = [r.getMessage() for r in caplog.records if "previous" in r.getMessage()]
+    assert line.startswith("trainer.resume=never: starting over; the earlier run's files in ")
+    assert f"(checkpoints up to step_000001, metrics.jsonl) were moved to {old}" in line
+
+
+def test_the_launching_process_moves_the_earlier_run_before_hydra_writes_and_says_so_once_main_log_exists(tmp_path):
+    """``python -m hybrid_rl.main`` (one rank, or the launcher before it starts the ranks): the
+    whole earlier run moves, its main.log and .hydra/ included, a user's own file stays, and the
+    line waits for main() (Hydra's main.log). A resume from a checkpoint moves nothing."""
+    from hybrid_rl import main
+
+    out = tmp_path / "run"
+    fake_run(out, "auto", 2, run=1.0)
+    for name in ("main.log", "notes.txt", ".hydra/config.yaml"):
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text("earlier\n")
+    cfg = _grpo(out)
+    main.STARTUP_LINES.clear()
+    main.start_clean_or_exit(cfg)  # resume=auto, and there is a checkpoint: it resumes
+    assert not (out / "previous").exists() and main.STARTUP_LINES == []
+    cfg.trainer.resume = "never"
+    main.start_clean_or_exit(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "previous"]
+    (old,) = (out / "previous").iterdir()
+    assert sorted(p.name for p in old.iterdir()) == [".hydra", "checkpoints", "main.log", "metrics.jsonl"]
+    assert main.STARTUP_LINES == [
+        f"trainer.resume=never: starting over; the earlier run's files in {out} (checkpoints up to step_000002, metrics.jsonl) "
+        f"were moved to {old}"
+    ]
+    main.STARTUP_LINES.clear()
+
+
 def test_the_changed_settings_a_resume_goes_on_with_reach_main_log(tmp_path):
     """They were printed to stderr before Hydra had opened main.log, so the run's log never said
     that it went on with other settings. Now main() says them through the logger, whose handlers
