@@ -13,6 +13,7 @@ group drive one engine and must feed it identical requests: prompts are split ov
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,10 @@ from hybrid_rl.rollout.base import RolloutEngine, SamplingSpec, prompt_seed
 from hybrid_rl.rollout.sampler import sample_groups
 from hybrid_rl.rollout.tools import get_parser
 from hybrid_rl.timing import PhaseTimer
+from hybrid_rl.trainer.step_metrics import length_metrics
 from hybrid_rl.trainer.validation import single_turn_sampler
+
+log = logging.getLogger("hybrid_rl")
 
 if TYPE_CHECKING:  # annotations only
     from hybrid_rl.config import Config
@@ -241,12 +245,13 @@ class RolloutCollector:
         max_gen_rounds ran, and deal whole groups out to the ranks."""
         f, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
         batch = self.cfg.data.train_batch_size
-        kept, drawn, rounds = [], 0, 0
+        kept, generated, drawn, rounds = [], [], 0, 0
         round_metrics = [{k: v for k, v in m.items() if k.startswith(REWARD_METRICS)}]
         sizes = [len(rollout.samples)]
         while True:
             everyone = [s for part in all_gather_objects(rollout.samples) for s in part]
             drawn += len({s.group for s in everyone})
+            generated += everyone
             # DAPO filters on accuracy (verl's filter_groups.metric=acc): a group right in every
             # answer but differing only in the overlong penalty has nothing to teach but length.
             values = [s.acc if f.metric == "acc" else s.score for s in everyone]
@@ -278,6 +283,13 @@ class RolloutCollector:
                 "dapo/used_samples": float(used),
             }
         )
+        if not used:  # no update this step: the lengths of what was generated still tell the story
+            m.update(length_metrics(generated, self.cfg.data.max_prompt_length))
+        elif used < batch * n and self.ctx.is_main:
+            log.warning(
+                "step %d: trained on %d of %d samples: %d generation rounds (algorithm.filter_groups.max_gen_rounds) "
+                "found %d groups whose answers differ", self.step_idx + 1, used, batch * n, rounds, len(kept) // n
+            )  # fmt: skip
         return Rollout(mine, rollout.weights_version, rollout.stats), m
 
     def score(self, rollout: Rollout, training: bool = True) -> dict[str, float]:

@@ -54,6 +54,23 @@ def reduce_metrics(m: dict[str, float]) -> dict[str, float]:
     return {**means, **sums, **maxes, **mins, **{k: m[k] for k in globals_}}
 
 
+def length_metrics(samples: list[Any], max_prompt_length: int = 0) -> dict[str, float]:
+    """verl's length figures over ``samples``: model-written response tokens (tool output
+    excluded; clip_ratio: cut at the budget) and prompts (clip_ratio: at data.max_prompt_length)."""
+    lengths = torch.tensor([sum(s.response_mask) for s in samples], dtype=torch.float32)
+    prompts = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float32)
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "prompt_length/mean": float(prompts.mean()),
+        "prompt_length/max": float(prompts.max()),
+        "prompt_length/min": float(prompts.min()),
+        "prompt_length/clip_ratio": float((prompts >= max_prompt_length).float().mean()) if max_prompt_length else 0.0,
+    }
+
+
 class Throughput:
     """Tokens and model FLOPs per second of generation and of the update, for one step."""
 
@@ -70,17 +87,8 @@ class Throughput:
         def per_s(amount: float, phase: str) -> float:
             return amount / max(timer.seconds.get(phase, 1e-9), 1e-9)
 
-        prompts = torch.tensor([len(s.prompt_ids) for s in rollout.samples], dtype=torch.float32)
         m = {
-            # verl's names: model-written response tokens, and prompts (cut at data.max_prompt_length)
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "response_length/clip_ratio": sum(s.finish_reason == "length" for s in rollout.samples) / len(rollout.samples),
-            "prompt_length/mean": float(prompts.mean()),
-            "prompt_length/max": float(prompts.max()),
-            "prompt_length/min": float(prompts.min()),
-            "prompt_length/clip_ratio": float((prompts >= self.max_prompt_length).float().mean()) if self.max_prompt_length else 0.0,
+            **length_metrics(rollout.samples, self.max_prompt_length),
             "rollout/tokens_per_s": per_s(gen_tokens, "generate"),
             "train/tokens_per_s": per_s(train_tokens, "update"),
         }

@@ -128,3 +128,28 @@ def test_a_step_with_one_scored_answer_is_not_a_failed_step(ctx, tmp_path):
     finally:
         pool.close()
     assert m["dapo/gen_rounds"] == 2 and pool.failed_steps == 0
+
+
+def test_dynamic_sampling_says_when_it_trains_a_short_batch_or_nothing(ctx, tmp_path, caplog):
+    """A step whose rounds found fewer informative groups than the batch trains on what it has and
+    says so; one that found none keeps the generated lengths in its metrics (there is no batch)."""
+    c, pool = _collector(ctx, tmp_path, "with_extras", ["algorithm.filter_groups.max_gen_rounds=2"])
+
+    def rounds(first, later):  # the first round's answers, then every later round's, in new groups
+        def generate(prompts, round_idx=0, first_group=0):
+            out = _answers(*(later if round_idx else first))
+            for s in out.samples:
+                s.group += first_group
+            return out
+
+        return generate
+
+    try:
+        c.generate = rounds((RIGHT, WRONG, RIGHT, RIGHT), (RIGHT, RIGHT, WRONG, WRONG))  # one group of 4 differs
+        rollout, m = c.collect(0, PhaseTimer())
+        assert len(rollout.samples) == 2 and "step 1: trained on 2 of 4 samples" in caplog.text
+        c.generate = rounds((RIGHT, RIGHT, WRONG, WRONG), (RIGHT, RIGHT, WRONG, WRONG))  # none differs
+        rollout, m = c.collect(1, PhaseTimer())
+    finally:
+        pool.close()
+    assert not rollout.samples and m["response_length/mean"] == 3.0 and m["dapo/used_samples"] == 0.0
