@@ -37,7 +37,7 @@ from hybrid_rl.trainer.logger import MetricsLogger
 from hybrid_rl.trainer.no_update import NoUpdateWatch, no_update_reason
 from hybrid_rl.trainer.profiling import profiled
 from hybrid_rl.trainer.run_control import RunControl
-from hybrid_rl.trainer.step_metrics import Throughput, explained_variance, reduce_metrics, switch_metrics
+from hybrid_rl.trainer.step_metrics import NotesOnce, Throughput, explained_variance, reduce_metrics, switch_metrics
 from hybrid_rl.trainer.validation import evaluate, gains_by_source, paired_gain
 
 log = logging.getLogger("hybrid_rl")
@@ -75,6 +75,7 @@ class RLTrainer:
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         made_from = {"model": model_identity(cfg.model), "model_dir": str(Path(parts.model_path).resolve()), "config": resolved}
         self.control = RunControl(cfg.trainer, ctx, self.out_dir, parts.actor, parts.critic, made_from)
+        self.switch_notes = NotesOnce(ctx.is_main)
         self.no_update = NoUpdateWatch(cfg.trainer.no_update_patience, cfg.trainer.no_update_action, ctx.is_main)
         self.step_idx = 0
         self.val_start_hits: torch.Tensor | None = None  # the run's first validation, per problem
@@ -120,7 +121,7 @@ class RLTrainer:
         with timer.phase("step"):
             rollout, m = self.collector.collect(self.step_idx, timer)
             with timer.phase("switch_to_train"):
-                m.update(switch_metrics(self.switch.to_train()))
+                m.update(switch_metrics(self.switch_notes(self.switch.to_train())))
             skipped_before = self.actor.skipped_steps
             m.update(self.train_on_batch(rollout, timer))
             m.update(self.no_update.observe(self.step_idx + 1, no_update_reason(m, skipped_before, self.actor.skipped_steps)))
@@ -128,7 +129,7 @@ class RLTrainer:
             maybe_fail("switch", self.step_idx + 1, self.ctx.rank)
             with timer.phase("switch_to_rollout"):
                 skip = fault_active("skip_sync", self.step_idx + 1)
-                m.update(switch_metrics(self.switch.to_rollout(skip_sync=skip)))
+                m.update(switch_metrics(self.switch_notes(self.switch.to_rollout(skip_sync=skip))))
         self.step_idx += 1
         m.update(rollout.stats)
         m.update(timer.metrics())

@@ -3,6 +3,7 @@ reduction of every metric over ranks. A component of the loop, kept apart from i
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ from hybrid_rl.dist import all_reduce_max_list, all_reduce_sum, mean_over_ranks
 from hybrid_rl.engine.flops import DecoderFlops
 from hybrid_rl.hybrid.switch import SwitchReport
 from hybrid_rl.timing import PhaseTimer
+
+log = logging.getLogger("hybrid_rl")
 
 
 def model_flops(engine: Any) -> DecoderFlops | None:
@@ -30,6 +33,23 @@ def switch_metrics(report: SwitchReport) -> dict[str, float]:
     for k, v in report.moved_bytes.items():
         m[f"switch/{report.direction}/moved_mib/{k}"] = v / 2**20
     return m
+
+
+class NotesOnce:
+    """Says each distinct note of a mode switch once, on rank 0: a setting that does nothing on
+    this hardware (``rollout.sleep_level`` where the engine has no sleep mode, ``offload_optimizer``
+    on the CPU) is worth one line where the user looks, not one per step and not none."""
+
+    def __init__(self, is_main: bool) -> None:
+        self.is_main, self.seen = is_main, set()
+
+    def __call__(self, report: SwitchReport) -> SwitchReport:
+        for note in report.notes:
+            if note not in self.seen:
+                self.seen.add(note)
+                if self.is_main:
+                    log.info("switch %s: %s", report.direction, note)
+        return report
 
 
 def reduce_metrics(m: dict[str, float]) -> dict[str, float]:

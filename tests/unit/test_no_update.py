@@ -34,3 +34,16 @@ def test_watch_stops_at_patience_and_never_with_zero():
     for s in range(10):
         never.observe(s, "why")
     assert not never.must_stop
+
+
+def test_switch_notes_are_said_once(caplog):
+    """A switch note (a setting without effect on this hardware) is one line, not one per step."""
+    from hybrid_rl.hybrid.switch import SwitchReport
+    from hybrid_rl.trainer.step_metrics import NotesOnce
+
+    notes = NotesOnce(is_main=True)
+    report = SwitchReport("to_train", {}, {}, 0, notes=["engine has no sleep mode here"])
+    with caplog.at_level(logging.INFO, logger="hybrid_rl"):
+        for _ in range(3):
+            assert notes(report) is report
+    assert caplog.text.count("engine has no sleep mode here") == 1
