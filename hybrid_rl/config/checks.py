@@ -39,10 +39,19 @@ def problems(cfg: Config, world_size: int = 1) -> list[str]:
     elif task == "eval":
         found += _eval(cfg)
     elif task == "sft":
-        found += _divides(cfg.data.train_batch_size, world_size, "data.train_batch_size")
+        found += _divides(cfg.data.train_batch_size, world_size, "data.train_batch_size") + _offline(cfg)
     else:  # dpo, rm
-        found += _preference(cfg, world_size)
+        found += _preference(cfg, world_size) + _offline(cfg)
     return found
+
+
+def _offline(cfg: Config) -> list[str]:
+    """SFT, DPO and RM training write no checkpoints, so there is nothing to resume."""
+    r = cfg.trainer.resume
+    if r in ("auto", "never", "none"):
+        return []
+    return [f"trainer.resume={r!r} with trainer.task={cfg.trainer.task}: only RL runs write checkpoints and resume "
+            "(use auto or never)"]  # fmt: skip
 
 
 def _lora(cfg: Config) -> list[str]:

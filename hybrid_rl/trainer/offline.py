@@ -7,6 +7,7 @@ with throughput, logged every ``log_every`` steps and at the end.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +22,25 @@ from hybrid_rl.trainer.logger import MetricsLogger
 if TYPE_CHECKING:  # annotations only
     from hybrid_rl.config import Config
 
+log = logging.getLogger("hybrid_rl")
 
-def offline_steps(cfg: Config, n_examples: int) -> int:
-    """``trainer.total_steps``, or fewer when ``trainer.sft_epochs`` passes over the examples first."""
-    bs = cfg.data.train_batch_size
-    return min(cfg.trainer.total_steps, max(1, int(cfg.trainer.sft_epochs * n_examples / bs)))
+
+def offline_steps(cfg: Config, n_examples: int, is_main: bool = True) -> int:
+    """``trainer.total_steps``, or fewer when ``trainer.sft_epochs`` passes over the examples first
+    (said on the console: the step budget the user set is not the one that runs)."""
+    t, bs = cfg.trainer, cfg.data.train_batch_size
+    steps = min(t.total_steps, max(1, int(t.sft_epochs * n_examples / bs)))
+    if is_main:
+        if steps < t.total_steps:
+            log.info(
+                "training %d steps, not trainer.total_steps=%d: trainer.sft_epochs=%s over %d examples of %d per batch ends first",
+                steps, t.total_steps, t.sft_epochs, n_examples, bs,
+            )  # fmt: skip
+        log.info(
+            "%s writes no checkpoints and does not resume (trainer.save_every, save_every_minutes, keep_last and resume "
+            "apply to RL runs); the trained model is exported at the end", t.task,
+        )  # fmt: skip
+    return steps
 
 
 def offline_logger(cfg: Config, ctx: DistContext, steps: int) -> MetricsLogger:

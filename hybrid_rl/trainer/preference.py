@@ -164,7 +164,7 @@ def run_dpo(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]:
     train = load_preferences(train_files, tok, cfg.data, "pairs", limit=cfg.data.train_size)
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)
     bs = cfg.data.train_batch_size
-    steps = offline_steps(cfg, len(train))
+    steps = offline_steps(cfg, len(train), ctx.is_main)
     policy = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
     policy.micro_batch_size = _micro(cfg, 2)
     ref = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, 1, trainable=False)
@@ -235,7 +235,7 @@ def run_rm(cfg: Config, ctx: DistContext, model_path: str, export_dir: str | Non
         train = [ex for ex in train if len(ex.responses) == group]
     val = _shard(load_preferences(val_files, tok, cfg.data, "pairs", limit=cfg.data.val_size or 0), ctx)
     bs = cfg.data.train_batch_size
-    steps = offline_steps(cfg, len(train))
+    steps = offline_steps(cfg, len(train), ctx.is_main)
     engine = build_reward_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True, seed=cfg.trainer.seed)
     engine.micro_batch_size = _micro(cfg, group)
     logger = offline_logger(cfg, ctx, steps)

@@ -69,7 +69,7 @@ def run_sft(
     bs = cfg.data.train_batch_size
     if bs % ctx.world_size:
         raise DataError(f"data.train_batch_size={bs} does not divide over {ctx.world_size} ranks")
-    steps = offline_steps(cfg, len(samples))
+    steps = offline_steps(cfg, len(samples), ctx.is_main)
     engine = build_policy_engine(model_path, cfg.model, cfg.actor, ctx, steps, trainable=True)
     sampler = PromptSampler(len(samples), bs, cfg.data.seed, cfg.data.shuffle)
     logger = offline_logger(cfg, ctx, steps)

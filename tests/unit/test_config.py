@@ -193,6 +193,7 @@ def test_unknown_recipe_lists_available():
         (["rollout.sleep_level=2", "actor.lora.rank=8"], 1, "rollout.sleep_level=2 with actor.lora.rank=8"),
         (["reward.timeout_s=0"], 1, "reward.timeout_s=0.0 must be > 0"),
         (["reward.num_workers=0"], 1, "reward.num_workers=0 must be >= 1"),
+        (["+recipe=sft_math", "trainer.resume=must"], 1, "trainer.resume='must' with trainer.task=sft"),
     ],
 )
 def test_contradictory_settings_are_named(overrides, world, needle):

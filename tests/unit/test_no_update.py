@@ -47,3 +47,16 @@ def test_switch_notes_are_said_once(caplog):
         for _ in range(3):
             assert notes(report) is report
     assert caplog.text.count("engine has no sleep mode here") == 1
+
+
+def test_an_offline_run_says_when_its_epochs_end_before_total_steps(caplog):
+    from types import SimpleNamespace
+
+    from hybrid_rl.trainer.offline import offline_steps
+
+    cfg = SimpleNamespace(
+        trainer=SimpleNamespace(total_steps=1000, sft_epochs=1.0, task="dpo"), data=SimpleNamespace(train_batch_size=32)
+    )
+    with caplog.at_level(logging.INFO, logger="hybrid_rl"):
+        assert offline_steps(cfg, 2700) == 84
+    assert "training 84 steps, not trainer.total_steps=1000" in caplog.text and "dpo writes no checkpoints" in caplog.text
