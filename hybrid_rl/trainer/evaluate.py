@@ -64,7 +64,7 @@ def run_eval(cfg: Config, ctx: DistContext, model_path: str) -> dict[str, float]
     try:
         r = cfg.rollout
         result = evaluate(single_turn_sampler(engine, tok), records, pool, ctx, r.max_response_length, r.val_pass_k,
-                          r.temperature, cfg.trainer.seed, keep_samples=len(records))  # fmt: skip
+                          r.temperature, cfg.trainer.seed, keep_samples=len(records), top_p=r.top_p, top_k=r.top_k)  # fmt: skip
     finally:
         pool.close()
         barrier()

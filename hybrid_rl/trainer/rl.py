@@ -297,6 +297,8 @@ class RLTrainer:
             shard=(self.collector.dp_rank, self.collector.dp_size),
             count=self.ctx.rank % self.collector.tp == 0,
             keep_samples=self.generations.n,
+            top_p=r.top_p,
+            top_k=r.top_k,
         )
         self.generations.write("val", self.step_idx, samples)
         if self.val_start_hits is None or self.val_start_hits.shape != hits.shape:

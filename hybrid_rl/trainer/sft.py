@@ -113,6 +113,8 @@ def _evaluate_export(cfg: Config, ctx: DistContext, hf_dir: str, tok: Any) -> di
             cfg.rollout.val_pass_k,
             cfg.rollout.temperature,
             cfg.trainer.seed,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
         )[0]
     finally:
         pool.close()

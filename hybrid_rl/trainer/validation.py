@@ -3,6 +3,7 @@ the accuracy's standard error, and the paired gain against an earlier evaluation
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -71,8 +72,11 @@ def evaluate(
     shard: tuple[int, int] | None = None,
     count: bool = True,
     keep_samples: int = 0,
+    top_p: float = 1.0,
+    top_k: int = -1,
 ) -> Evaluation:
     """``val/accuracy`` (greedy) with its binomial standard error ``val/accuracy_se``
+    (pass@k is sampled as training samples: at ``temperature``, ``top_p`` and ``top_k``)
     (sqrt(p (1 - p) / n)), ``val/score``, with ``pass_k`` > 0 ``val/pass@k`` and ``val/mean@k``,
     each per data source and level too (:func:`breakdowns`), and any per-sample stats the
     sampler reports (``val/<stat>``, greedy, averaged per prompt).
@@ -107,9 +111,8 @@ def evaluate(
             if i < keep_samples:
                 kept.append(_sample_row(r, texts[i][0], s[0].score))
         if pass_k > 0:
-            sums.update(
-                _pass_at_k(sample, mine, pool, pass_k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums)
-            )
+            spec = SamplingSpec(n=pass_k, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+            sums.update(_pass_at_k(sample, mine, pool, spec, seed, accuracy_fn, shard_rank, shard_size, sums))
     keys = base + sorted(extra)
     # Every rank must pass the same keys: the sampler reports the same stats on every rank.
     mine_sums = [(sums | extra).get(k, 0.0) for k in keys] + hits
@@ -132,13 +135,12 @@ def _sample_row(record: Any, response: str, score: float) -> dict[str, Any]:
     }
 
 
-def _pass_at_k(
-    sample, mine, pool, k, temperature, max_tokens, seed, accuracy_fn, shard_rank, shard_size, sums
-) -> dict[str, float]:
+def _pass_at_k(sample, mine, pool, spec, seed, accuracy_fn, shard_rank, shard_size, sums) -> dict[str, float]:
     # One seed per held-out prompt (its global index): siblings of different prompts
     # draw independent noise, and the figure does not depend on the number of ranks.
     seeds = [prompt_seed(seed, 1, shard_rank + i * shard_size) for i in range(len(mine))]
-    texts_k, _ = sample(mine, SamplingSpec(n=k, temperature=temperature, max_tokens=max_tokens, seeds=seeds))
+    k = spec.n
+    texts_k, _ = sample(mine, dataclasses.replace(spec, seeds=seeds))
     out = {key: sums[key] for key in sums if key.startswith(("meank", "passk"))}
     for r, group in zip(mine, score_texts(pool, mine, texts_k), strict=True):
         right = sum(correct(s, accuracy_fn) for s in group)

@@ -83,6 +83,11 @@ def test_hits_are_in_record_order_for_every_shard(pool):
         return [[f"\\boxed{{{r.ground_truth if (j + int(r.ground_truth)) % 2 == 0 else -1}}}" for j in range(spec.n)] for r in recs], {}
 
     k2 = evaluate(sample_k, records, pool, ctx, 8, pass_k=2)[0]
+    # pass@k samples as training does: the nucleus and top-k reach the sampler with the temperature
+    specs = []
+    evaluate(lambda recs, spec: (specs.append(spec), sample_k(recs, spec))[1], records, pool, ctx, 8, pass_k=2,
+             temperature=0.7, top_p=0.9, top_k=20)  # fmt: skip
+    assert (specs[-1].n, specs[-1].temperature, specs[-1].top_p, specs[-1].top_k) == (2, 0.7, 0.9, 20)
     assert k2["val/pass@2"] == 1.0 and k2["val/mean@2"] == 0.5
     assert k2["val/pass@2/math_level1"] == 1.0 and k2["val/mean@2/math"] == 0.5
     # Two ranks' shards (no process group here, so each keeps its own part): the parts add up
