@@ -17,7 +17,10 @@ follows row ``R_p``). Transports:
                 between pushes), one barrier, then every rank reads the others' rows directly:
                 a memcpy instead of TCP loopback (verl keeps such a shared-memory path too).
 
-With one rank nothing is gathered: the local tensors are the full ones.
+With one rank nothing is gathered: the local tensors are the full ones, yielded as they are
+(no copy unless a cast to the sync dtype makes one), as are parameters FSDP2 left unsharded. So
+what a consumer gets may be the trainer's live parameter: it must only read it, and copy what it
+keeps and may modify (vLLM scales an adapter's ``B`` in place: rollout/vllm_engine.py copies).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ to_rollout:
                             bucket, the next bucket in flight, or shared memory between the
                             ranks of a host; engine/gather.py) into the engine's in-place loader;
                             with LoRA only the adapters go, in memory, as the engine's adapter
-                            (the base weights it loaded at start-up never change)
+                            (the base weights it loaded at start-up never change); on one rank
+                            the tensors handed over are the trainer's own, which the engine
+                            only reads (an adapter it copies: vLLM scales B in place)
     4. wake_kv_cache      - re-allocate the KV cache (tag "kv_cache") after the weights, so
                             the gathered tensors are freed before the cache comes back
     5. reset_prefix_cache - cached prompt KV was computed with the old weights

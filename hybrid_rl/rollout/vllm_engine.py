@@ -102,8 +102,16 @@ def _put_adapter(worker: Any, lora_id: int, config: dict, tensors: dict[str, Ten
     helper.validate_legal(manager.lora_config)
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
+    dtype = manager.lora_config.lora_dtype  # a torch dtype once vLLM resolved "auto"
+    # Copies, never the caller's tensors: vLLM folds alpha / r into every lora_b in place
+    # (LoRALayerWeights.optimize: ``lora_b *= scaling``), and from_lora_tensors keeps a tensor
+    # as it is when its device and dtype already match. On one rank the weight sync yields the
+    # trainer's own parameters (nothing is gathered), so every push multiplied the trainer's B
+    # by alpha / r. One ``.to(copy=True)`` is the cast vLLM would otherwise make (a no-op after
+    # it), so the copy costs nothing extra where a cast or a device move happens anyway.
+    owned = {n: t.to(device="cpu", dtype=dtype, copy=True) for n, t in tensors.items()}
     lora = manager._lora_model_cls.from_lora_tensors(
-        lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        lora_id, owned, helper, device="cpu", dtype=dtype, model_vocab_size=manager.vocab_size,
         weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )  # fmt: skip
@@ -283,7 +291,13 @@ class VLLMRollout:
         return result
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load HF-named full tensors in place; ``weights`` is consumed lazily by the worker."""
+        """Load HF-named full tensors in place; ``weights`` is consumed lazily by the worker.
+
+        The tensors may be the trainer's own parameters (one rank: nothing is gathered) and are
+        handed over without a copy: the layerwise reload only reads them (each layer's weight
+        loader ``copy_``s them into vLLM's own freshly materialised storage, which its post-load
+        processing repacks and copies into the kernel tensors) and drops its references when
+        the layer is done. An adapter is different: :func:`_put_adapter` copies."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_repack_tied_lm_head)
 

@@ -1,11 +1,13 @@
 """LoRA on the hybrid engine, on real torchrun ranks (gloo) and a real vLLM engine with LoRA slots:
 
-    torchrun --nproc-per-node 2 tests/integration/lora_checks.py OUT.json
+    torchrun --nproc-per-node 2 tests/integration/lora_checks.py OUT.json [--rank 16]
 
-Rank-8 adapters on the tiny model, fp32. Checks that the engine's log-probs with the in-memory
-adapter equal the trainer's after training steps and syncs, that a sync moves only the adapters,
-that the frozen base and the adapter-off reference stay the starting model, and that a skipped
-sync is caught by the version guard."""
+Rank-8 adapters (alpha = 2 x rank) on the tiny model, fp32. Checks that the engine's log-probs
+with the in-memory adapter equal the trainer's after training steps and syncs, that a sync moves
+only the adapters and leaves the trainer's own ones as they were (vLLM folds alpha / r into the
+``B`` it is given, in place; on one rank nothing is gathered, so it is given the trainer's own
+tensors unless the engine copies them), that the frozen base and the adapter-off reference stay
+the starting model, and that a skipped sync is caught by the version guard."""
 
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ def sft_step(actor, switch, seqs, pad_id: int, world: int) -> None:
     switch.policy_updated()
 
 
+def push(switch, named: dict) -> tuple:
+    """``switch.to_rollout()``, and the largest change it made to the trainer's own ``lora_B``
+    (bitwise: 0.0 when the push only read them)."""
+    before = {n: local(p) for n, p in named.items() if ".lora_B." in n}
+    rep = switch.to_rollout()
+    return rep, all_reduce_max(max(float((local(named[n]) - b).abs().max()) for n, b in before.items()))
+
+
 def generated_parity(engine, actor, prompt: list[int]) -> float:
     done = engine.generate([prompt], SamplingSpec(n=2, max_tokens=8, seed=5))[0].completions
     return max(max_diff(trainer_logprobs(actor, [prompt + list(c.token_ids)], len(prompt)), [list(c.logprobs)]) for c in done)
@@ -55,7 +65,9 @@ def run(path: str, ctx, rank: int) -> dict:
     rc = RolloutConfig(block_size=32, max_num_seqs=64, kv_cache_gib=0.125)
     engine = VLLMRollout(path, rc, "float32", seed=ctx.rank, device=ctx.device, max_model_len=256, lora_rank=rank)
     KEEP_ALIVE.extend([engine, actor])
-    switch = HybridSwitch(actor, engine, sync_dtype=None, bucket_bytes=1 << 20, device=ctx.device, adapter=adapter_config(lora, path))
+    switch = HybridSwitch(
+        actor, engine, sync_dtype=None, bucket_bytes=1 << 20, device=ctx.device, adapter=adapter_config(lora, path)
+    )
     ref, tok = AdapterOffReference(actor), engine.tokenizer
     seqs = fixed_sequences(tok, ctx.rank)
     out: dict = {"rank": rank}
@@ -75,7 +87,8 @@ def run(path: str, ctx, rank: int) -> dict:
         out["stale_refused"] = False
     except StaleWeightsError:
         out["stale_refused"] = True
-    rep = switch.to_rollout()
+    rep, out["push_changed_lora_b"] = push(switch, named)
+    out["lora_b_max"] = all_reduce_max(max(float(local(p).abs().max()) for n, p in named.items() if ".lora_B." in n))
     out["sync_bytes"] = rep.moved_bytes["sync.tensors"]
     out["sync_seconds"] = rep.seconds["sync_weights"]
     out["adapter_bytes"] = sum(p.numel() * 4 for n, p in named.items() if is_lora(n))
@@ -89,7 +102,7 @@ def run(path: str, ctx, rank: int) -> dict:
     out["base_max_change"] = all_reduce_max(float((local(named[base_name]) - base_before).abs().max()))
 
     sft_step(actor, switch, seqs, tok.pad_token_id, ctx.world_size)  # a second push replaces the adapter in place
-    switch.to_rollout()
+    _, out["second_push_changed_lora_b"] = push(switch, named)
     again = engine.prompt_logprobs(seqs)
     out["change_second_step"] = all_reduce_max(max_diff(again, after))
     out["parity_second_step"] = all_reduce_max(max_diff(again, trainer_logprobs(actor, seqs)))
