@@ -1,7 +1,7 @@
 """Interrupting a 2-rank run: SIGTERM or SIGINT (Ctrl-C) to the whole process group, or a second
 SIGTERM to the launcher. Each is followed by ``trainer.resume=auto``: the resumed run continues
 from the saved step, every step appears once in metrics.jsonl, and the metrics equal an
-uninterrupted run's."""
+uninterrupted run's, the learning rate of a warm-up + cosine schedule among them."""
 
 import json
 import os
@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from hybrid_rl.engine.optim import OptimConfig, lr_lambda
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,10 +27,17 @@ BASE = [
     "trainer.save_every=1",
     "trainer.keep_last=3",
     "actor.lr=1e-3",
+    # A schedule that moves every step (one optimizer step per RL step here): a resume that
+    # restarted it, or shifted it by a step, changes the LR the next updates use.
+    "actor.lr_schedule=cosine",
+    "actor.warmup_steps=2",
+    "actor.min_lr_ratio=0.1",
     f"trainer.total_steps={STEPS}",
     f"reward.functions=[{{name: custom, weight: 1.0, path: {ROOT / 'tests' / 'e2e' / 'length_reward.py'}, function: score}}]",
 ]
 COMPARED = ["critic/score/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "response_length/mean", "weights_version"]
+COMPARED += ["actor/lr"]
+SCHEDULE = OptimConfig(1e-3, 0.0, (0.9, 0.999), 2, schedule="cosine", min_lr_ratio=0.1, total_steps=STEPS, grad_clip=1.0)
 
 
 def cmd(out: Path) -> list[str]:
@@ -55,12 +65,21 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def schedule_state(out: Path, step: int) -> dict:
+    """The actor's LR-scheduler state in the step-``step`` checkpoint, as rank 0 wrote it."""
+    state = torch.load(out / "checkpoints" / f"step_{step:06d}" / "trainer_rank0.pt", weights_only=False)
+    return state["actor_engine"]["scheduler"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     p = subprocess.run(cmd(out), capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
-    return step_rows(out)
+    rows = step_rows(out)
+    # the uninterrupted run really used the warm-up + cosine schedule, one value per update
+    assert [rows[s]["actor/lr"] for s in sorted(rows)] == pytest.approx([1e-3 * lr_lambda(SCHEDULE)(k) for k in range(STEPS)])
+    return rows, schedule_state(out, STEPS)
 
 
 # sigterm_to_group is slow-only (make test-all): the ranks' handler treats SIGINT and SIGTERM
@@ -102,11 +121,17 @@ def test_interrupt_then_resume_matches_uninterrupted(reference, tmp_path, how):
         # save_every=1: that step was saved on schedule, and the stop does not write it again
         # (replacing the one good copy opened a window in which a kill left it without a shard)
         assert output.count(f"saved checkpoint {tmp_path / 'checkpoints' / ckpts[-1]}") == 1, output[-3000:]
+    # the checkpoint the resume starts from holds the schedule after its `saved` updates
+    assert schedule_state(tmp_path, saved)["last_epoch"] == saved
     p = subprocess.run(cmd(tmp_path), capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
     assert f"at step {saved}" in p.stderr + p.stdout  # resumed from the saved step
+    want, want_schedule = reference
     got = step_rows(tmp_path)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
+    for step in got:  # actor/lr included: every update after the resume used the uninterrupted run's LR
         for key in COMPARED:
-            assert got[step][key] == reference[step][key], (how, step, key, got[step][key], reference[step][key])
+            assert got[step][key] == want[step][key], (how, step, key, got[step][key], want[step][key])
+    schedule = schedule_state(tmp_path, STEPS)
+    assert (schedule["last_epoch"], schedule["_last_lr"]) == (want_schedule["last_epoch"], want_schedule["_last_lr"])
+    assert schedule["last_epoch"] == STEPS and schedule["_last_lr"] == pytest.approx([1e-3 * lr_lambda(SCHEDULE)(STEPS)])
