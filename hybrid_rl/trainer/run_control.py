@@ -33,16 +33,16 @@ class RunControl:
         self.stop_requested = False
         self.last_save = time.monotonic()
         self.saved_step: int | None = None  # the step the newest checkpoint holds
-        if self.resume_point() is None:
-            self.start_clean()
+        self.start_clean()
 
     def start_clean(self) -> None:
         """A run from step 0 moves an earlier run's files in ``out_dir`` aside before it writes
         anything (:func:`hybrid_rl.resume.set_aside_earlier_run`). The launching process has done
-        so already, unless the ranks came from an external torchrun: then rank 0 moves them
-        (leaving this run's main.log and .hydra/, which Hydra opened already) while the other
-        ranks wait, so none reads a checkpoint or writes a file mid-move. Collective."""
-        if self.ctx.is_main:
+        so already, unless the ranks came from an external torchrun: then rank 0 decides and moves
+        them (leaving this run's main.log and .hydra/, which Hydra opened already) while the other
+        ranks wait, so none reads a checkpoint or writes a file mid-move. Collective: every rank
+        passes the barrier, whatever it would have decided."""
+        if self.ctx.is_main and self.resume_point() is None:
             line = set_aside_earlier_run(str(self.cfg.resume), self.out_dir, keep=("main.log", ".hydra"))
             if line:
                 log.warning(line)
