@@ -59,3 +59,15 @@ def test_every_eval_gets_its_own_folder_unless_one_is_given(tmp_path):
     assert second != first
     assert eval_folder(str(tmp_path / "mine"), str(ckpt), {"trainer.output_dir"}) == tmp_path / "mine"
     assert eval_folder(str(tmp_path / "evals"), "/models/Qwen2.5-0.5B", set()).name.startswith("Qwen2.5-0.5B-")
+
+
+def test_prepare_eval_takes_the_runs_settings_and_a_new_folder(tmp_path):
+    """What the eval task calls: the checkpoint's settings into the config, a folder of its own."""
+    from hybrid_rl.trainer.eval_setup import prepare_eval
+
+    ckpt = checkpoint(tmp_path, val_files=["/data/test.parquet"])
+    cfg = eval_cfg()
+    cfg.trainer.output_dir = str(tmp_path / "evals")
+    out = prepare_eval(cfg, str(ckpt), is_main=True)
+    assert list(cfg.data.val_files) == ["/data/test.parquet"] and cfg.rollout.max_response_length == 48
+    assert out.parent == tmp_path / "evals" and out.name.startswith("my_run-step_000100-")
