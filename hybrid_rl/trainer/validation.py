@@ -100,16 +100,7 @@ def evaluate(
     kept: list[dict[str, Any]] = []
     if mine:
         texts, extra = sample(mine, SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, seed=seed))
-        scored = score_texts(pool, mine, texts)
-        for i, (r, s) in enumerate(zip(mine, scored, strict=True)):
-            hit = float(correct(s[0], accuracy_fn))
-            hits[shard_rank + i * shard_size] = hit
-            for b in ["", *breakdowns(r)]:
-                sums[f"n{b}"] += 1
-                sums[f"hits{b}"] += hit
-            sums["score"] += s[0].score
-            if i < keep_samples:
-                kept.append(_sample_row(r, texts[i][0], s[0].score))
+        kept = _count_greedy(mine, texts, score_texts(pool, mine, texts), accuracy_fn, (shard_rank, shard_size), sums, hits, keep_samples)
         if pass_k > 0:
             spec = SamplingSpec(n=pass_k, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
             sums.update(_pass_at_k(sample, mine, pool, spec, seed, accuracy_fn, shard_rank, shard_size, sums))
@@ -121,6 +112,25 @@ def evaluate(
     return Evaluation(
         _summary(totals, subsets, sorted(extra), pass_k), torch.tensor(summed[len(keys) :], dtype=torch.float32), kept
     )
+
+
+def _count_greedy(
+    mine: list[Any], texts: list[list[str]], scored: list[list[Any]], accuracy_fn: str, shard: tuple[int, int],
+    sums: dict[str, float], hits: list[float], keep_samples: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Add this shard's greedy answers to ``sums`` (per breakdown) and ``hits`` (at each record's
+    global index); returns the first ``keep_samples`` as generation rows."""
+    kept = []
+    for i, (r, s) in enumerate(zip(mine, scored, strict=True)):
+        hit = float(correct(s[0], accuracy_fn))
+        hits[shard[0] + i * shard[1]] = hit
+        for b in ["", *breakdowns(r)]:
+            sums[f"n{b}"] += 1
+            sums[f"hits{b}"] += hit
+        sums["score"] += s[0].score
+        if i < keep_samples:
+            kept.append(_sample_row(r, texts[i][0], s[0].score))
+    return kept
 
 
 def _sample_row(record: Any, response: str, score: float) -> dict[str, Any]:
