@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.env import cpu_bf16_support
+from tests.e2e import step_rows
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,16 +66,6 @@ def run(out: Path, args: list[str], ranks: int, fault: str | None = None) -> sub
     env = {**os.environ, **({"HYBRID_RL_FAULT": fault} if fault else {})}
     cmd = [sys.executable, "-m", "hybrid_rl.main", *BASE, *args, f"trainer.output_dir={out}", f"trainer.nproc_per_node={ranks}"]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False, env=env)
-
-
-def step_rows(out: Path) -> dict[int, dict]:
-    rows = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "actor/loss" in r:
-            assert r["step"] not in rows, f"step {r['step']} logged twice"
-            rows[r["step"]] = r
-    return rows
 
 
 def optimizer_dtypes(ckpt: Path) -> dict[str, str]:

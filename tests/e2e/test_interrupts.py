@@ -3,7 +3,6 @@ SIGTERM to the launcher. Each is followed by ``trainer.resume=auto``: the resume
 from the saved step, every step appears once in metrics.jsonl, and the metrics equal an
 uninterrupted run's, the learning rate of a warm-up + cosine schedule among them."""
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from hybrid_rl.engine.optim import OptimConfig, lr_lambda
+from tests.e2e import step_rows
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,16 +42,6 @@ SCHEDULE = OptimConfig(1e-3, 0.0, (0.9, 0.999), 2, schedule="cosine", min_lr_rat
 
 def cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "hybrid_rl.main", *BASE, f"trainer.output_dir={out}"]
-
-
-def step_rows(out: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "actor/loss" in r:
-            assert r["step"] not in rows, f"step {r['step']} logged twice"
-            rows[r["step"]] = r
-    return rows
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
