@@ -81,9 +81,12 @@ def start_clean_or_exit(cfg: DictConfig | None) -> None:
 
     if cfg is None or cfg.trainer.task != "rl" or checkpoint_to_resume(cfg) is not None:
         return
+    rm, data = cfg.reward.reward_model, cfg.data
+    reads = [cfg.model.path, *([rm.path] if rm.path else []), *rm.ensemble, *data.train_files, *data.val_files,
+             *[f.path for f in cfg.reward.functions if f.path]]  # fmt: skip
     try:
-        line = set_aside_earlier_run(str(cfg.trainer.resume), cfg.trainer.output_dir)
-    except OSError as e:
+        line = set_aside_earlier_run(str(cfg.trainer.resume), cfg.trainer.output_dir, reads=tuple(str(r) for r in reads))
+    except (OSError, ValueError) as e:
         where = f"trainer.output_dir={cfg.trainer.output_dir}"
         print(f"config error: {where}: cannot move the earlier run's files aside: {e}", file=sys.stderr)
         sys.exit(2)

@@ -217,11 +217,15 @@ def refused_changes(changes: dict[str, tuple[Any, Any]], saved: dict) -> list[st
     """``key: old -> new (why)`` for each change in ``changes`` a resume cannot honour
     (:data:`REFUSED`); ``saved`` is the checkpoint's config."""
     synth = "builtin:synth_math" in ((saved.get("data") or {}).get("train_files") or [])
+    recorded = _flat(saved)
     return [
         f"{k}: {old!r} -> {new!r} ({REFUSED[k]})"
         for k, (old, new) in changes.items()
-        # A key the checkpoint's config lacks came with a later version at its default: not a change to refuse.
-        if k in REFUSED and old is not None and (synth or not k.startswith(SYNTH_KEYS))
+        # A key the checkpoint's config lacks came with a later version at its default: not a change
+        # to refuse. A key it holds as null (data.system_prompt) is one.
+        if k in REFUSED and k in recorded and (synth or not k.startswith(SYNTH_KEYS))
+        # the tools reach the prompts only with the agent on
+        and (k != "rollout.agent.tool_config" or recorded.get("rollout.agent.enable"))
     ]
 
 
@@ -249,7 +253,7 @@ def earlier_results(out_dir: str | Path) -> list[str]:
     return [n for n in RESULTS if (out / n).is_file() or ((out / n).is_dir() and any((out / n).iterdir()))]
 
 
-def set_aside_earlier_run(mode: str, out_dir: str | Path, keep: tuple[str, ...] = ()) -> str | None:
+def set_aside_earlier_run(mode: str, out_dir: str | Path, keep: tuple[str, ...] = (), reads: tuple[str, ...] = ()) -> str | None:
     """Before a run starts from step 0 in ``out_dir``: move an earlier run's files there
     (:data:`RUN_FILES` less ``keep``, what this run wrote already) to ``out_dir/previous/<time>/``
     and return the line that says so (None when there was no earlier run).
@@ -257,11 +261,22 @@ def set_aside_earlier_run(mode: str, out_dir: str | Path, keep: tuple[str, ...] 
     Without it the new run's rows would follow the old run's in ``metrics.jsonl`` (each step
     twice), and the old run's newer checkpoint would stay beside the new run's: a later
     ``trainer.resume=auto`` resumed the discarded run and pruned the new one. One process only
-    (the launching process, or rank 0 while the other ranks wait)."""
+    (the launching process, or rank 0 while the other ranks wait).
+
+    ``reads``: paths this run reads (its model, data, reward files). One inside the files to move
+    (``model.path=<output_dir>/hf`` of an earlier run of the same name) raises ValueError instead:
+    moving it would take the run's own input away."""
     out = Path(out_dir)
     found = earlier_results(out)
     if not found:
         return None
+    for name in RUN_FILES:
+        inside = [r for r in reads if name not in keep and (out / name).exists() and Path(r).resolve().is_relative_to((out / name).resolve())]
+        if inside:
+            raise ValueError(
+                f"{inside[0]} is part of the earlier run's files in {out} ({name}) that a start from step 0 moves to "
+                f"{out / 'previous'}: copy it elsewhere, or use another trainer.run_name"
+            )
     newest = latest_checkpoint(out / "checkpoints")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     dest, n = out / "previous" / stamp, 1

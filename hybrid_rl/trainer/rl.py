@@ -322,6 +322,7 @@ class RLTrainer:
     # ================================================================ checkpoints
     def save(self) -> None:
         run_state = ckpt.rl_run_state(self.step_idx, self.parts, self.kl_ctrl.value, self.val_start_hits)
+        run_state["no_update_streak"] = self.no_update.streak  # a requeued run still stops at its patience
         self.control.save(self.step_idx, run_state)
 
     def _maybe_resume(self) -> None:
@@ -333,6 +334,7 @@ class RLTrainer:
         self.kl_ctrl.value = float(state["kl_coef"])
         ckpt.restore_rl_run_state(state, self.parts)
         self.val_start_hits = state.get("val_start_hits")  # absent in checkpoints of older versions
+        self.no_update.streak = int(state.get("no_update_streak", 0))
         self.switch.to_rollout()  # the engine was built from the initial weights: push the resumed ones
         dropped = self.logger.truncate_after(self.step_idx)
         barrier()

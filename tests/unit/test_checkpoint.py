@@ -118,7 +118,6 @@ ROW_SETTINGS = [
     ("data.synth.levels", [1, 2]),
     ("data.synth.heldout_fraction", 0.3),
     ("rollout.agent.enable", True),
-    ("rollout.agent.tool_config", "conf/tools/other.yaml"),
 ]
 
 
@@ -137,6 +136,51 @@ def test_resume_refuses_a_setting_that_changes_the_kept_rows(tmp_path, key, valu
     assert len(problems) == 1 and not notes, (problems, notes)
     assert f"{key}: {value!r} -> {OmegaConf.select(OmegaConf.create(now), key)!r} (" in problems[0]
     assert "trainer.resume=never" in problems[0]
+
+
+@pytest.mark.parametrize("agent", [True, False])
+def test_resume_refuses_other_tools_only_where_the_agent_puts_them_in_the_prompts(tmp_path, agent):
+    from omegaconf import OmegaConf
+
+    from hybrid_rl.resume import resume_problems
+
+    cfg = _grpo(tmp_path)
+    cfg.rollout.agent.enable = agent
+    saved = OmegaConf.create(_resolved(cfg))
+    OmegaConf.update(saved, "rollout.agent.tool_config", "conf/tools/other.yaml")
+    _checkpoint_of(cfg, tmp_path, OmegaConf.to_container(saved))
+    problems, notes = resume_problems(cfg, _resolved(cfg))
+    if agent:
+        assert len(problems) == 1 and "rollout.agent.tool_config: 'conf/tools/other.yaml' ->" in problems[0]
+    else:
+        assert not problems and notes == [f"rollout.agent.tool_config: 'conf/tools/other.yaml' -> {cfg.rollout.agent.tool_config!r}"]
+
+
+def test_resume_refuses_a_system_prompt_added_to_a_run_that_had_none(tmp_path):
+    """The checkpoint records data.system_prompt as null: a prompt added on resume is a change (a
+    null in the record is not a key the checkpoint lacks)."""
+    from hybrid_rl.resume import resume_problems
+
+    cfg = _grpo(tmp_path)
+    _checkpoint_of(cfg, tmp_path, _resolved(cfg))
+    cfg.data.system_prompt = "Answer briefly."
+    problems, _ = resume_problems(cfg, _resolved(cfg))
+    assert len(problems) == 1 and "data.system_prompt: None -> 'Answer briefly.'" in problems[0]
+
+
+def test_a_fresh_start_refuses_to_move_what_the_run_reads(tmp_path):
+    """model.path=<output_dir>/hf of an earlier run of the same name: moving hf/ aside would take
+    the new run's own model away, so the start is refused and nothing moves."""
+    from hybrid_rl.resume import set_aside_earlier_run
+
+    out = tmp_path / "run"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="is part of the earlier run's files"):
+        set_aside_earlier_run("never", out, reads=(str(out / "hf"), "builtin:synth_math"))
+    assert (out / "hf" / "config.json").is_file() and not (out / "previous").exists()
+    assert set_aside_earlier_run("never", out, reads=("builtin:synth_math",)) is not None
 
 
 @pytest.mark.parametrize("key", ["data.synth.n_val", "data.synth.n_val_seen", "data.synth.direct_share", "data.answer_key"])
