@@ -77,9 +77,13 @@ def start_clean_or_exit(cfg: DictConfig | None) -> None:
     The launching process does it before Hydra opens main.log there and before any rank exists,
     so no rank waits on it; an external torchrun's ranks leave it to rank 0's
     :class:`~hybrid_rl.trainer.run_control.RunControl`. A folder it cannot move: one line, exit 2."""
-    from hybrid_rl.resume import checkpoint_to_resume, set_aside_earlier_run
+    from hybrid_rl.resume import checkpoint_to_resume, set_aside_earlier_run, set_aside_newer_checkpoints
 
-    if cfg is None or cfg.trainer.task != "rl" or checkpoint_to_resume(cfg) is not None:
+    if cfg is None or cfg.trainer.task != "rl":
+        return
+    if (chosen := checkpoint_to_resume(cfg)) is not None:
+        if str(cfg.trainer.resume) not in ("auto", "must") and (line := set_aside_newer_checkpoints(cfg.trainer.output_dir, chosen)):
+            STARTUP_LINES.append(line)
         return
     rm, data = cfg.reward.reward_model, cfg.data
     reads = [cfg.model.path, *([rm.path] if rm.path else []), *rm.ensemble, *data.train_files, *data.val_files,

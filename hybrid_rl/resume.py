@@ -289,3 +289,25 @@ def set_aside_earlier_run(mode: str, out_dir: str | Path, keep: tuple[str, ...] 
     what = ", ".join(f"checkpoints up to {newest.name}" if name == "checkpoints" and newest else name for name in found)
     why = "starting over" if mode in ("never", "none") else f"no finished checkpoint in {out / 'checkpoints'}, starting over"
     return f"trainer.resume={mode}: {why}; the earlier run's files in {out} ({what}) were moved to {dest}"
+
+
+def set_aside_newer_checkpoints(out_dir: str | Path, chosen: str | Path) -> str | None:
+    """Resuming an explicit, older checkpoint of this run (``trainer.resume=<output_dir>/checkpoints/
+    step_000050`` beside ``step_000100``): the newer ones belong to the run being rewound. Left in
+    place, the first save's pruning keeps the newest by name (the discarded run's) and hides the new
+    one, and a later ``resume=auto`` continues the discarded run. They move to
+    ``out_dir/previous/<time>/checkpoints/``; returns the line that says so (None when none is newer
+    or the checkpoint is not this run's)."""
+    root, chosen = Path(out_dir) / "checkpoints", Path(chosen)
+    if not root.is_dir() or chosen.resolve().parent != root.resolve():
+        return None
+    newer = [p for p in list_checkpoints(root) if p.name > chosen.name]
+    if not newer:
+        return None
+    dest = Path(out_dir) / "previous" / time.strftime("%Y%m%d-%H%M%S") / "checkpoints"
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in newer:
+        os.replace(p, dest / p.name)
+    return (f"trainer.resume={chosen}: the run's newer checkpoints ({', '.join(p.name for p in newer)}) were moved to {dest}, "
+            "so the resumed run's own checkpoints are the newest")  # fmt: skip
+

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hybrid_rl.dist import DistContext, all_reduce_max, barrier
 from hybrid_rl.errors import NumericalError
 from hybrid_rl.faults import maybe_fail
-from hybrid_rl.resume import set_aside_earlier_run
+from hybrid_rl.resume import set_aside_earlier_run, set_aside_newer_checkpoints
 from hybrid_rl.trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:  # annotations only
@@ -42,8 +42,12 @@ class RunControl:
         them (leaving this run's main.log and .hydra/, which Hydra opened already) while the other
         ranks wait, so none reads a checkpoint or writes a file mid-move. Collective: every rank
         passes the barrier, whatever it would have decided."""
-        if self.ctx.is_main and self.resume_point() is None:
-            line = set_aside_earlier_run(str(self.cfg.resume), self.out_dir, keep=("main.log", ".hydra"))
+        if self.ctx.is_main:
+            chosen = self.resume_point()
+            if chosen is None:
+                line = set_aside_earlier_run(str(self.cfg.resume), self.out_dir, keep=("main.log", ".hydra"))
+            else:  # an explicit older checkpoint of this run: its newer ones move aside
+                line = set_aside_newer_checkpoints(self.out_dir, chosen) if str(self.cfg.resume) not in ("auto", "must") else None
             if line:
                 log.warning(line)
         barrier()

@@ -259,7 +259,7 @@ class FakeEngine:
         self.w.copy_(model_sd["w"])
 
 
-def fake_run(out: Path, resume: str, steps: int, run: float, ctx=None) -> dict | None:
+def fake_run(out: Path, resume: str, steps: int, run: float, ctx=None, keep_last: int = 2) -> dict | None:
     """What RLTrainer does with its run folder, in its order: RunControl, the metrics file, the
     resume (rows of later steps dropped), then per step a metrics row and a checkpoint. Returns
     the run state it resumed from."""
@@ -269,7 +269,7 @@ def fake_run(out: Path, resume: str, steps: int, run: float, ctx=None) -> dict |
     from hybrid_rl.trainer.logger import MetricsLogger
     from hybrid_rl.trainer.run_control import RunControl
 
-    trainer = SimpleNamespace(resume=resume, keep_last=2, save_every=1, save_every_minutes=0)
+    trainer = SimpleNamespace(resume=resume, keep_last=keep_last, save_every=1, save_every_minutes=0)
     control = RunControl(trainer, ctx or DistContext(0, 1, 0, torch.device("cpu")), out, FakeEngine(run), None)
     logger = MetricsLogger(SimpleNamespace(backends=["jsonl"], progress_bar=False, project="p"), out, {}, steps, True)
     state, step = None, 0
@@ -306,6 +306,22 @@ def test_a_fresh_start_moves_the_earlier_run_aside_and_a_later_resume_continues_
     assert [p.name for p in list_checkpoints(old / "checkpoints")] == ["step_000002", "step_000003"]
     state = {"app": {"model": {"w": torch.zeros(4)}, "optim": {}}}
     assert load_checkpoint(old / "checkpoints" / "step_000003", state, 0)["run"] == 1.0
+
+
+def test_resuming_an_older_checkpoint_of_the_run_moves_its_newer_ones_aside(tmp_path):
+    """Run A to step 5 (keep_last=3: steps 3, 4, 5), then B resumes step 3 explicitly and runs to 4,
+    then C with resume=auto. Left in place, A's step 5 stayed the newest beside B's step 4 and C
+    continued the rewound run A. Now A's newer checkpoints move to previous/<time>/checkpoints and
+    C continues B."""
+    out = tmp_path / "run"
+    fake_run(out, "auto", 5, run=1.0, keep_last=3)
+    state = fake_run(out, str(out / "checkpoints" / "step_000003"), 4, run=2.0, keep_last=3)
+    assert (state["step"], state["run"]) == (3, 1.0)
+    (old,) = (out / "previous").iterdir()
+    assert [p.name for p in list_checkpoints(old / "checkpoints")] == ["step_000004", "step_000005"]
+    assert rows(out / "metrics.jsonl") == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+    state = fake_run(out, "auto", 6, run=3.0, keep_last=3)
+    assert (state["step"], state["run"]) == (4, 2.0)
 
 
 def test_resume_auto_without_a_finished_checkpoint_starts_over_in_a_clean_folder(tmp_path):
