@@ -12,12 +12,16 @@ level what                                            example answer range
 4     two steps (+/-, then x or +/-), numbers <= 20    0..~360
 5     one multiplication of 3-digit by 2-digit        ~1000..~99000 (tool territory)
 6     two 2-digit numbers added column by column      20..198
+7     a running sum of 3..64 one-digit counts         3..576 (long-tailed lengths)
 ====  ==============================================  ===========================
 
 Level 6 is the procedural one: its worked solution adds the ones digits, then the tens digits,
 then the carry, each a single-digit step, before it states the sum ("7 + 8 = 15. 4 + 3 = 7.
 7 + 1 = 8. 47 + 38 = 85."). A held-out level-6 problem is a sum never worked in training whose
 every digit step is a trained fact: answering it takes the procedure, not recall.
+
+Level 7 (:mod:`hybrid_rl.data.longtail`) adds its operands one line each, and their count is
+heavy-tailed, so its answers' lengths are too: most are a few lines, a few are hundreds of tokens.
 
 Rows follow verl's parquet schema: ``data_source``, ``prompt`` (chat messages), ``ability``,
 ``reward_model`` (``{"style": "rule", "ground_truth": "12"}``) and ``extra_info`` (split,
@@ -43,6 +47,10 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: longtail builds on this module
+    from hybrid_rl.data.longtail import StepRule
 
 DATA_SOURCE = "synth_math"
 HELDOUT_SOURCE = "synth_math_heldout"
@@ -102,8 +110,9 @@ def _two_step(rng: random.Random) -> Problem:
     return Problem(q, ans, sol, 0)
 
 
-LEVELS = (1, 2, 3, 4, 5, 6)
+LEVELS = (1, 2, 3, 4, 5, 6, 7)
 PROCEDURAL_LEVELS = frozenset({6})
+RUNNING_SUM_LEVEL = 7  # one line per operand, long-tailed lengths (hybrid_rl.data.longtail)
 
 
 def _column_sum(rng: random.Random) -> Problem:
@@ -120,8 +129,9 @@ def _column_sum(rng: random.Random) -> Problem:
     return Problem(q, a + b, ". ".join(steps) + ".", 0)
 
 
-def make_problem(rng: random.Random, level: int) -> Problem:
-    """One problem of the given difficulty level (1..6)."""
+def make_problem(rng: random.Random, level: int, rule: StepRule | None = None) -> Problem | None:
+    """One problem of the given difficulty level (1..7); ``rule`` says which facts a level-7 line
+    may state (None: that level found no such problem this draw)."""
     if level == 1:
         p = _add_or_sub(rng, 10)
     elif level == 2:
@@ -134,8 +144,12 @@ def make_problem(rng: random.Random, level: int) -> Problem:
         p = _multiply(rng, 999, 99, lo_a=100, lo_b=11)
     elif level == 6:
         p = _column_sum(rng)
+    elif level == RUNNING_SUM_LEVEL:
+        from hybrid_rl.data.longtail import running_sum
+
+        return running_sum(rng, rule)
     else:
-        raise ValueError(f"synth_math level must be 1..6, got {level}")
+        raise ValueError(f"synth_math level must be 1..7, got {level}")
     return Problem(p.question, p.answer, p.solution, level)
 
 
@@ -180,8 +194,8 @@ def tool_turns(p: Problem, direct: bool = False) -> list[list[str]]:
     if p.level in PROCEDURAL_LEVELS:
         steps = steps[-1:]  # the digit steps are the working; the tool computes the sum at once
     expr = steps[0]
-    for step in steps[1:]:  # "a - b" then "x * k" -> "(a - b) * k"
-        expr = f"({expr}) {step.split(' ', 1)[1]}"
+    for step in steps[1:]:  # "a - b" then "x * k" -> "(a - b) * k"; a running sum needs no nesting (Python refuses 200 levels)
+        expr = f"{expr} {step.split(' ', 1)[1]}" if p.level == RUNNING_SUM_LEVEL else f"({expr}) {step.split(' ', 1)[1]}"
     code = f"print({expr})"
     call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
     return [["assistant", call], ["tool", str(p.answer)], ["assistant", boxed_answer(p)]]
@@ -217,9 +231,10 @@ def generate_rows(
     exclude: set[str] | None = None,
     direct_share: float = 0.0,
     keep: Callable[[Problem], bool] | None = None,
+    rule: StepRule | None = None,
 ) -> list[dict]:
     """``n`` unique problems drawn uniformly over ``levels``; questions in ``exclude`` skipped,
-    and with ``keep`` only the problems it accepts.
+    and with ``keep`` only the problems it accepts (``rule``: which facts level-7 lines may state).
 
     The stream for a split is seeded by ``(seed, split)`` so train and validation are fixed and
     independent of each other's size. A share ``direct_share`` of the rows, drawn from a stream of
@@ -239,8 +254,8 @@ def generate_rows(
                 f"synth_math could only make {len(rows)} unique {split} problems of {n} "
                 f"for levels {levels}: ask for fewer, add levels or change heldout_fraction"
             )
-        p = make_problem(rng, levels[len(rows) % len(levels)])
-        if p.question in seen or (keep is not None and not keep(p)):
+        p = make_problem(rng, levels[len(rows) % len(levels)], rule)
+        if p is None or p.question in seen or (keep is not None and not keep(p)):
             continue
         seen.add(p.question)
         source = SPLIT_SOURCES.get(split, DATA_SOURCE)
@@ -269,13 +284,21 @@ def make_splits(
         *working, result = facts(p)  # the sum is new; every digit step is a trained fact
         return is_held_out(result, seed, heldout_fraction) and not any(is_held_out(f, seed, heldout_fraction) for f in working)
 
-    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share, keep=held_for_val)
-    train = generate_rows(n_train, "train", seed, levels, direct_share=direct_share, keep=lambda p: not held(p))
+    from hybrid_rl.data.longtail import StepRule
+
+    def held_fact(f: str) -> bool:
+        return is_held_out(f, seed, heldout_fraction)
+
+    # Level 7 draws each line under the same condition (keep then only confirms it), see longtail.
+    val_rule, train_rule = StepRule(marked=held_fact), StepRule(ok=lambda f: not held_fact(f))
+    val = generate_rows(n_val, "val", seed, levels, direct_share=direct_share, keep=held_for_val, rule=val_rule)
+    train = generate_rows(n_train, "train", seed, levels, direct_share=direct_share, keep=lambda p: not held(p), rule=train_rule)
     trained = {f for r in train for f in r["extra_info"]["facts"]}
     asked = {r["extra_info"]["question"] for r in train}
     val_seen = generate_rows(
-        n_val_seen, "val_seen", seed, levels, exclude=asked, direct_share=direct_share, keep=lambda p: set(facts(p)) <= trained
-    )
+        n_val_seen, "val_seen", seed, levels, exclude=asked, direct_share=direct_share,
+        keep=lambda p: set(facts(p)) <= trained, rule=StepRule(ok=trained.__contains__),
+    )  # fmt: skip
     return {"train": train, "val": val, "val_seen": val_seen}
 
 

@@ -58,7 +58,7 @@ def fake_model(tmp_path: Path, chat_template: bool = True, max_positions: int = 
         (["+recipe=grpo_math", "trainer.profile_steps=[300]"], "trainer.profile_steps=[300] must be steps 1..trainer.total_steps=250"),
         (["+recipe=grpo_math", "algorithm.policy_loss=reinforce", "actor.epochs=2"], "algorithm.policy_loss=reinforce has no importance ratio"),
         (["+recipe=grpo_math", "data.train_size=16"], "data.train_size=16 keeps fewer rows than one batch (data.train_batch_size=32)"),
-        (["+recipe=grpo_math", "data.synth.levels=[1,7]"], "data.synth.levels=[1, 7]: each level must be one of 1, 2, 3, 4, 5, 6"),
+        (["+recipe=grpo_math", "data.synth.levels=[1,8]"], "data.synth.levels=[1, 8]: each level must be one of 1, 2, 3, 4, 5, 6, 7"),
         # the checks of the other tasks
         (["+recipe=sft_math", "trainer.nproc_per_node=2", "data.train_batch_size=3"], "data.train_batch_size=3 does not divide over 2 ranks"),
         (["+recipe=dpo_math", "preference.beta=0"], "preference.beta=0.0 must be > 0"),
