@@ -23,6 +23,8 @@ from pathlib import Path
 from hybrid_rl.env import cache_root
 
 BUILDER_VERSION = 2
+# Positions a builtin model has unless its preset says otherwise (``max_positions``).
+DEFAULT_MAX_POSITIONS = 1024
 
 # Chat markup follows Qwen2.5 so that a user's real Qwen checkpoint and the tiny model share the
 # agent loop's tool-call format. Tool results go back as a user turn wrapped in <tool_response>.
@@ -43,6 +45,16 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 PRESETS: dict[str, dict[str, int]] = {
     # ~3.3M params: the default; learns the synthetic task in minutes on 2 CPU cores.
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    # The tiny shape with 2,048 positions: a 1,024-token answer budget after a long prompt (the
+    # running-sum task of grpo_longtail); rotary positions, so no parameter more.
+    "tiny-long": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_positions=2048,
+    ),
     # ~0.1M params: unit tests that only need the plumbing.
     "micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
     # ~18M and ~100M params: benchmark shapes for the switch and the step.
@@ -110,8 +122,16 @@ def _spec_hash(preset: str, vocab_size: int, seed: int, max_len: int) -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:10]
 
 
-def build_model(out_dir: str | Path, preset: str = "tiny", vocab_size: int = 512, seed: int = 0, max_len: int = 1024) -> Path:
-    """Build a randomly initialised model + tokenizer in HF format at ``out_dir`` (atomically)."""
+def max_positions(preset: str) -> int:
+    """The positions a builtin model of ``preset`` is built with (what prompt + response must fit)."""
+    return PRESETS.get(preset, {}).get("max_positions", DEFAULT_MAX_POSITIONS)
+
+
+def build_model(
+    out_dir: str | Path, preset: str = "tiny", vocab_size: int = 512, seed: int = 0, max_len: int | None = None
+) -> Path:
+    """Build a randomly initialised model + tokenizer in HF format at ``out_dir`` (atomically);
+    ``max_len``: its positions (default: the preset's)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -120,9 +140,10 @@ def build_model(out_dir: str | Path, preset: str = "tiny", vocab_size: int = 512
     out = Path(out_dir)
     tok = build_tokenizer(vocab_size, seed)
     shape = dict(PRESETS[preset])
+    positions = shape.pop("max_positions", DEFAULT_MAX_POSITIONS)
     config = Qwen2Config(
         vocab_size=max(len(tok), shape.pop("vocab_size", 0)),
-        max_position_embeddings=max_len,
+        max_position_embeddings=max_len or positions,
         tie_word_embeddings=True,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
@@ -155,10 +176,11 @@ def build_model(out_dir: str | Path, preset: str = "tiny", vocab_size: int = 512
     return out
 
 
-def tiny_model_path(preset: str = "tiny", vocab_size: int = 512, seed: int = 0, max_len: int = 1024) -> Path:
-    """The cached folder for a preset, building it on first use."""
+def tiny_model_path(preset: str = "tiny", vocab_size: int = 512, seed: int = 0, max_len: int | None = None) -> Path:
+    """The cached folder for a preset, building it on first use (``max_len``: positions, default the preset's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny-model preset {preset!r}; known: {', '.join(PRESETS)}")
+    max_len = max_len or max_positions(preset)
     path = cache_root() / "models" / f"{preset}-{_spec_hash(preset, vocab_size, seed, max_len)}"
     if not (path / "model.safetensors").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
