@@ -521,8 +521,8 @@ CATALOGUE: tuple[Mutant, ...] = (
            "stop-the-other-ranks logic lost: after one rank fails the launcher waits for the others forever"),
     # ------------------------------------------------------------------ data
     Mutant("train_split_keeps_heldout_facts", "data", "hybrid_rl/data/synth_math.py",
-           "keep=lambda p: not held(p))",
-           "keep=None)",
+           "keep=lambda p: not held(p), rule=train_rule)",
+           "keep=None, rule=train_rule)",
            (f"{T_DATA}::test_held_out_problems_share_no_worked_fact_with_training",),
            "the held-out fact split is not applied to training: held-out problems' facts leak into SFT and RL"),
     Mutant("sampler_resumes_at_epoch_start", "data", "hybrid_rl/data/dataset.py",
