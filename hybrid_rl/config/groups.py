@@ -29,7 +29,8 @@ class ModelConfig:
     path: str = "builtin:tiny-sft"
     # The recipe that builds builtin:tiny-sft (conf/recipe/<name>.yaml).
     sft_recipe: str = "sft_math"
-    # Preset for builtin models (hybrid_rl/models/tiny.py): micro | tiny | small | base | large | qwen0.5b | qwen1.5b.
+    # Preset for builtin models (hybrid_rl/models/tiny.py): micro | tiny | tiny-long (tiny with 2,048
+    # positions, for long answers) | small | base | large | qwen0.5b | qwen1.5b.
     preset: str = "tiny"
     # Removed: master weights and optimizer state are always fp32. Set the training compute dtype
     # with actor.param_dtype and the rollout engine's with rollout.dtype (validate() says so).

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from hybrid_rl.config.checks import problems as config_problems
 from hybrid_rl.config.compose import compose_recipe, composed_files, conf_dir, repo_path
 from hybrid_rl.errors import ModelPathError
+from hybrid_rl.models.tiny import max_positions as builtin_max_positions
 from hybrid_rl.resume import resume_problems
 
 if TYPE_CHECKING:  # annotations only: Config is defined in the package __init__, which imports this module
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # annotations only: Config is defined in the package __init__
 
 # The builtin models and the recipes that build them on first use.
 BUILTIN_RECIPES = {"builtin:tiny-sft": "model.sft_recipe", "builtin:tiny-rm": "rm_math"}
-BUILTIN_MAX_POSITIONS = 1024  # hybrid_rl.models.tiny builds every preset with this many positions
 # A reward function is called as fn(data_source, solution_str, ground_truth, extra_info) (verl's signature).
 REWARD_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
@@ -190,10 +190,10 @@ def _has_chat_template(p: Path) -> bool:
         return False
 
 
-def max_positions(path: str) -> int:
+def max_positions(path: str, preset: str) -> int:
     """``max_position_embeddings`` of a model folder or builtin model (unbounded when absent)."""
     if path.startswith("builtin:"):
-        return BUILTIN_MAX_POSITIONS
+        return builtin_max_positions(preset)  # what hybrid_rl.models.tiny builds the preset with
     return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
 
 
@@ -217,7 +217,7 @@ def model_problems(cfg: Config) -> list[str]:
     if cfg.trainer.task in ("rl", "eval"):
         r, ag = cfg.rollout, cfg.rollout.agent
         extra = ag.max_response_tokens - r.max_response_length if ag.enable else 0
-        need, limit = cfg.data.max_prompt_length + r.max_response_length + extra, max_positions(path)
+        need, limit = cfg.data.max_prompt_length + r.max_response_length + extra, max_positions(path, cfg.model.preset)
         if need > limit:
             found.append(
                 f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length ({r.max_response_length})"
