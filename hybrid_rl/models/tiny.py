@@ -42,19 +42,13 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added but not "special": they must survive decoding so tool calls can be parsed from text.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
+# ~3.3M params: the default; learns the synthetic task in minutes on 2 CPU cores.
+TINY = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 PRESETS: dict[str, dict[str, int]] = {
-    # ~3.3M params: the default; learns the synthetic task in minutes on 2 CPU cores.
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    "tiny": TINY,
     # The tiny shape with 2,048 positions: a 1,024-token answer budget after a long prompt (the
     # running-sum task of grpo_longtail); rotary positions, so no parameter more.
-    "tiny-long": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_positions=2048,
-    ),
+    "tiny-long": {**TINY, "max_positions": 2048},
     # ~0.1M params: unit tests that only need the plumbing.
     "micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
     # ~18M and ~100M params: benchmark shapes for the switch and the step.
